@@ -1,0 +1,1 @@
+"""Prefect flows: the evolution and its deployment."""

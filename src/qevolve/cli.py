@@ -1,0 +1,63 @@
+"""Command line: `qevolve run STAGE` (what dvc.yaml calls), `qevolve summary`, `qevolve data`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from qevolve import paths
+from qevolve.config import ConfigError, load_params
+from qevolve.stages import STAGES, run_stage
+
+
+def summary_table(iterations: list[int]) -> str:
+    """The evaluation table of the given iterations, read from their metrics files."""
+    head = f"{'policy':<10} {'split':<13} {'success':>8} {'reward':>7} {'steps':>6} {'invalid':>8} {'out tok/ep':>10} {'prompt tok/ep':>13}"
+    rows = [head, "-" * len(head)]
+    for k in iterations:
+        path = paths.metrics(f"evaluate@{k}")
+        if not path.exists():
+            continue
+        name = "bc" if k == 0 else f"iter {k}"
+        for split, m in json.loads(path.read_text()).items():
+            rows.append(
+                f"{name:<10} {split:<13} {m['success_rate']:>8.1%} {m['avg_reward']:>7.3f} {m['avg_steps']:>6.1f} "
+                f"{m['invalid_rate']:>8.1%} {m['output_tokens_per_episode']:>10.1f} {m['prompt_tokens_per_episode']:>13.0f}"
+            )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qevolve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run one pipeline stage in this workspace")
+    run.add_argument("stage", choices=STAGES)
+    run.add_argument("--iteration", type=int, default=None, help="iteration of an iterated stage (evaluate@K)")
+    run.add_argument("--params", type=Path, default=Path("params.yaml"))
+    summary = sub.add_parser("summary", help="print the evaluation table")
+    summary.add_argument("--params", type=Path, default=Path("params.yaml"))
+    sub.add_parser("data", help="prepare ALFWorld's data folder (ALFWORLD_DATA) and print it")
+    args = parser.parse_args(argv)
+
+    if args.command == "data":
+        from qevolve.envs.alfworld import ensure_alfworld_data
+
+        print(ensure_alfworld_data())
+        return 0
+    try:
+        params = load_params(args.params)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    if args.command == "summary":
+        print(summary_table(list(range(params.evolve.iterations + 1))))
+        return 0
+    metrics = run_stage(args.stage, params, args.iteration)
+    print(json.dumps(metrics, indent=2, default=str)[:2000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Typed configuration: `params.yaml` is validated once, at load, before any compute starts.
+
+Every section is named like the pipeline step that reads it (`experts`, `bc`, `evaluate`, ...). Unknown
+keys, wrong types and out-of-range values fail with the key's dotted path and the file's name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A params file that does not validate; the message names the file and each bad key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EnvConfig(Section):
+    name: Literal["alfworld"] = "alfworld"
+    """Environment adapter (more arrive with the environments issue)."""
+    task_types: list[str] = Field(default_factory=list)
+    """Restrict tasks to these types (ALFWorld: `pick_and_place_simple`, ...); empty = all."""
+    max_steps: int = Field(40, gt=0)
+    """Episode step cap for the policy."""
+
+    @field_validator("task_types")
+    @classmethod
+    def _known_types(cls, v: list[str]) -> list[str]:
+        from qevolve.envs.alfworld import TASK_TYPES
+
+        bad = [t for t in v if t not in TASK_TYPES]
+        if bad:
+            raise ValueError(f"unknown task type(s) {bad}; expected some of {list(TASK_TYPES)}")
+        return v
+
+
+class ExpertsConfig(Section):
+    split: str = "train"
+    """Split the expert demonstrations come from."""
+    num_tasks: int = Field(40, ge=0)
+    """How many tasks to demonstrate (0 = every task of the split)."""
+    max_steps: int = Field(60, gt=0)
+    """Step cap for the expert; episodes it does not win are dropped and counted."""
+    workers: int = Field(2, gt=0)
+    """Environment worker processes."""
+    seed: int = 0
+    """Seed of the task subset draw."""
+
+
+class EmbeddedModelConfig(Section):
+    """The small model built from a config when `model.base` is `embedded` (no download needed)."""
+
+    layers: int = Field(4, gt=0)
+    hidden: int = Field(256, gt=0)
+    heads: int = Field(8, gt=0)
+    kv_heads: int = Field(2, gt=0)
+    intermediate: int = Field(768, gt=0)
+    vocab_size: int = Field(2048, ge=300)
+    """Target vocabulary of the BPE tokenizer trained on the expert text."""
+    seed: int = 0
+
+
+class LoraConfig(Section):
+    r: int = Field(64, gt=0)
+    alpha: int = Field(128, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: str | list[str] = "all-linear"
+    train_embeddings: bool = True
+    """Also train the input embeddings and LM head in full (needed for a base trained from scratch)."""
+
+
+class ModelConfig(Section):
+    base: str = "embedded"
+    """`embedded`, or any Hugging Face causal LM id or local path."""
+    embedded: EmbeddedModelConfig = EmbeddedModelConfig()
+    lora: LoraConfig = LoraConfig()
+    context_tokens: int = Field(768, gt=64)
+    """Prompt budget; older turns are dropped, the task and first observation are always kept."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class PromptConfig(Section):
+    one_shot: bool = False
+    """Prepend one expert demonstration of the same task type to the instruction."""
+
+
+class PolicyConfig(Section):
+    action_mode: Literal["free", "admissible"] = "admissible"
+    """`free`: generate the action as text; `admissible`: score the environment's valid actions."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature when collecting (evaluation is greedy)."""
+    max_new_tokens: int = Field(32, gt=0)
+
+
+class BCConfig(Section):
+    epochs: int = Field(8, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(8, gt=0)
+    """Trajectories per optimiser step (after gradient accumulation)."""
+    micro_batch_size: int = Field(4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    seed: int = 0
+
+
+class EvaluateConfig(Section):
+    splits: dict[str, int] = Field(default_factory=lambda: {"valid_seen": 10, "valid_unseen": 10})
+    """Split -> number of tasks (0 = all tasks of the split after the task-type filter)."""
+    batch_size: int = Field(8, gt=0)
+    """Episodes played at once; the policy's forward pass is batched across them."""
+    seed: int = 0
+
+    @field_validator("splits")
+    @classmethod
+    def _non_negative(cls, v: dict[str, int]) -> dict[str, int]:
+        if not v or any(n < 0 for n in v.values()):
+            raise ValueError("expected a non-empty mapping of split -> count >= 0")
+        return v
+
+
+class MlflowConfig(Section):
+    experiment: str = "qevolve"
+
+
+class EvolveConfig(Section):
+    iterations: int = Field(0, ge=0)
+    """Q-Evolve iterations after BC (0 = BC and its evaluation only)."""
+
+
+class Params(Section):
+    env: EnvConfig = EnvConfig()
+    experts: ExpertsConfig = ExpertsConfig()
+    model: ModelConfig = ModelConfig()
+    prompt: PromptConfig = PromptConfig()
+    policy: PolicyConfig = PolicyConfig()
+    bc: BCConfig = BCConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+    evolve: EvolveConfig = EvolveConfig()
+
+
+def _format_errors(path: Path | str, err: ValidationError) -> str:
+    lines = [f"{path}: invalid parameters"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"  {key}: {msg} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_params(raw: dict, source: Path | str = "<params>") -> Params:
+    try:
+        return Params.model_validate(raw or {})
+    except ValidationError as err:
+        raise ConfigError(_format_errors(source, err)) from None
+
+
+def load_params(path: Path | str = "params.yaml") -> Params:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: params file not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    return parse_params(raw, path)

@@ -1,0 +1,168 @@
+"""ALFWorld (TextWorld engine) behind the `TextEnv` protocol.
+
+Games are read from `$ALFWORLD_DATA/json_2.1.1/<split>/<task>/<trial>/game.tw-pddl`, ALFWorld's own layout.
+One TextWorld environment object is kept and each game is loaded into it (`load` + `reset`), which is
+how ALFWorld's own loader reuses an environment; a reset still costs about a second (PDDL grounding).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from qevolve.envs.base import Observation, Step, Task
+
+TASK_TYPES = (
+    "pick_and_place_simple",
+    "look_at_obj_in_light",
+    "pick_clean_then_place_in_recep",
+    "pick_heat_then_place_in_recep",
+    "pick_cool_then_place_in_recep",
+    "pick_two_obj_and_place",
+)
+SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")
+REJECTED = "Nothing happens."
+ARCHIVE_NAME = "json_2.1.1_all_splits.tar.xz"
+
+
+class AlfworldDataError(RuntimeError):
+    pass
+
+
+def _has_games(root: Path) -> bool:
+    return (root / "json_2.1.1" / "valid_seen").is_dir()
+
+
+def ensure_alfworld_data(archive: Path | None = None) -> Path:
+    """Return ALFWorld's data folder, preparing it once if needed, and export `ALFWORLD_DATA`.
+
+    1. `ALFWORLD_DATA` is set and holds the games: use it.
+    2. A local copy of the games archive exists (`archive`, `$QEVOLVE_ALFWORLD_ARCHIVE`): unpack it once
+       into `ALFWORLD_DATA` (default `~/.cache/alfworld`, ALFWorld's own default).
+    3. Otherwise run ALFWorld's official `alfworld-download`.
+    """
+    root = Path(os.environ.get("ALFWORLD_DATA") or Path.home() / ".cache" / "alfworld").expanduser()
+    if not _has_games(root):
+        archive = archive or (Path(p) if (p := os.environ.get("QEVOLVE_ALFWORLD_ARCHIVE")) else None)
+        if archive is not None:
+            if not archive.exists():
+                raise AlfworldDataError(f"QEVOLVE_ALFWORLD_ARCHIVE: {archive} does not exist")
+            _unpack(archive, root)
+        else:
+            root.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, "ALFWORLD_DATA": str(root)}
+            done = subprocess.run(["alfworld-download"], env=env)
+            if done.returncode != 0 or not _has_games(root):
+                raise AlfworldDataError(
+                    f"alfworld-download failed to fill {root}; without internet, set QEVOLVE_ALFWORLD_ARCHIVE "
+                    f"to a local copy of {ARCHIVE_NAME} or ALFWORLD_DATA to an unpacked data folder"
+                )
+    os.environ["ALFWORLD_DATA"] = str(root)
+    return root
+
+
+def _unpack(archive: Path, root: Path) -> None:
+    """Unpack into a temporary folder beside `root`, then rename, so a kill leaves no half-copy."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".unpack.", dir=root))
+    try:
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp, filter="data")
+        shutil.rmtree(root / "json_2.1.1", ignore_errors=True)
+        os.replace(tmp / "json_2.1.1", root / "json_2.1.1")
+        logic = root / "logic"
+        logic.mkdir(exist_ok=True)
+        for name in ("alfred.pddl", "alfred.twl2"):
+            src = archive.parent / name
+            if src.exists():
+                shutil.copyfile(src, logic / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@lru_cache(maxsize=None)
+def list_tasks(root: str, split: str) -> tuple[Task, ...]:
+    """Every game of a split, sorted, as ALFWorld's loader finds them (no movable or sliced games)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown ALFWorld split {split!r}; expected one of {SPLITS}")
+    base = Path(root) / "json_2.1.1" / split
+    if not base.is_dir():
+        raise AlfworldDataError(f"{base}: no such folder; is ALFWORLD_DATA={root} an ALFWorld data folder?")
+    tasks = []
+    for game in sorted(base.glob("*/*/game.tw-pddl")):
+        rel = game.parent.relative_to(base).as_posix()
+        if "movable" in rel or "Sliced" in rel:
+            continue
+        tasks.append(Task(id=rel, split=split, type=rel.split("-", 1)[0]))
+    return tuple(tasks)
+
+
+def split_observation(feedback: str) -> tuple[str, str]:
+    """(instruction, observation) from ALFWorld's first feedback."""
+    text = feedback.split("-= Welcome to TextWorld, ALFRED! =-", 1)[-1].strip()
+    obs, _, task = text.partition("Your task is to:")
+    return task.strip(), obs.strip()
+
+
+class AlfworldEnv:
+    """One TextWorld environment, reused across games. Not thread-safe; one per worker."""
+
+    def __init__(self, data_dir: Path | str | None = None, expert: bool = True):
+        self.root = Path(data_dir) if data_dir else ensure_alfworld_data()
+        self.with_expert = expert
+        self._env = None
+        self._state = None
+        self._won = False
+
+    def tasks(self, split: str) -> list[Task]:
+        return list(list_tasks(str(self.root), split))
+
+    def _wrappers(self):
+        from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredExpert, AlfredExpertType, AlfredInfos
+
+        wrappers = [AlfredDemangler(), AlfredInfos]
+        if self.with_expert:
+            wrappers.append(AlfredExpert(AlfredExpertType.HANDCODED))
+        return wrappers
+
+    def reset(self, task: Task) -> Observation:
+        import textworld
+
+        game = self.root / "json_2.1.1" / task.split / task.id / "game.tw-pddl"
+        if not game.exists():
+            raise AlfworldDataError(f"{game}: game file missing for task {task.id!r}")
+        if self._env is None:
+            extras = ["gamefile"] + (["expert_plan"] if self.with_expert else [])
+            infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=extras)
+            self._env = textworld.start(str(game), request_infos=infos, wrappers=self._wrappers())
+        self._env.load(str(game))
+        self._state = self._env.reset()
+        self._won = False
+        instruction, obs = split_observation(self._state.feedback)
+        return Observation(instruction=instruction, text=obs, admissible=self._admissible())
+
+    def _admissible(self) -> list[str]:
+        # `help` prints the command list; it is never part of a solution.
+        return [a for a in self._state["admissible_commands"] if a != "help"]
+
+    def step(self, action: str) -> Step:
+        self._state, _, done = self._env.step(action)
+        obs = self._state.feedback.strip()
+        won = bool(self._state["won"])
+        reward = 1.0 if won and not self._won else 0.0
+        self._won = won
+        return Step(observation=obs, reward=reward, done=bool(done) or won, won=won, valid=obs != REJECTED, admissible=self._admissible())
+
+    def expert_action(self) -> str | None:
+        plan = self._state.get("extra.expert_plan") if self._state is not None else None
+        return plan[0] if plan else None
+
+    def close(self) -> None:
+        if self._env is not None:
+            self._env.close()
+            self._env = None

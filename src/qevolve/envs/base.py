@@ -1,0 +1,55 @@
+"""The small protocol every text environment implements (DESIGN.md, "Environments")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str
+    """Stable identifier, unique within the environment (ALFWorld: path of the game under its split)."""
+    split: str
+    type: str
+    """Task family, e.g. ALFWorld's `pick_and_place_simple`."""
+
+
+@dataclass
+class Observation:
+    instruction: str
+    """What the agent is asked to do."""
+    text: str
+    """The first observation."""
+    admissible: list[str] = field(default_factory=list)
+    """Valid actions, where the environment lists them."""
+
+
+@dataclass
+class Step:
+    observation: str
+    reward: float
+    done: bool
+    won: bool
+    valid: bool
+    """False when the environment rejected the action (ALFWorld: "Nothing happens.")."""
+    admissible: list[str] = field(default_factory=list)
+
+
+class TextEnv(Protocol):
+    def reset(self, task: Task) -> Observation: ...
+
+    def step(self, action: str) -> Step: ...
+
+    def tasks(self, split: str) -> list[Task]: ...
+
+    def expert_action(self) -> str | None:
+        """The expert's next action in the current episode, or None when it has none.
+
+        DESIGN.md sketches `expert(task) -> list[str]`; ALFWorld's handcoded expert reacts to what it
+        observes (it opens receptacles until it finds the object), so it is asked step by step instead.
+        An environment with a fixed gold path simply returns the path's next action.
+        """
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,143 @@
+"""Multi-turn chat prompts, built turn by turn as token ids with an action-token mask.
+
+The conversation is: one user turn with the instruction (plus an optional one-shot example) and the
+first observation, then alternating assistant (action) and user (observation) turns. Pieces are
+tokenised separately and concatenated, so the action tokens are known exactly, the mask needs no
+re-alignment, and truncation works on whole turns. The glue around each turn comes from the tokenizer's
+own chat template, so a Hugging Face chat model sees the format it was trained on.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+INSTRUCTION = (
+    "Interact with a household to solve a task. At each turn, reply with one action as "
+    "'Action: <command>' (you may think first on a line 'Thought: ...'). The environment answers with "
+    "what you observe."
+)
+
+_ACTION_RE = re.compile(r"^\s*action\s*:\s*(.*?)\s*$", re.IGNORECASE | re.MULTILINE)
+
+
+def parse_action(text: str) -> tuple[str | None, str]:
+    """Return (action, error). A valid output holds exactly one non-empty `Action:` line."""
+    found = [m for m in _ACTION_RE.findall(text) if m]
+    if not found:
+        return None, "no action"
+    if len(found) > 1:
+        return None, "several actions"
+    return found[0].lower(), ""
+
+
+def format_action(action: str) -> str:
+    return f"Action: {action}"
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """The strings a chat template puts around turns, read off the template with sentinels."""
+
+    head: str
+    user_start: str
+    user_end: str
+    """After a user turn, up to where the assistant's text begins (the generation prompt)."""
+    assistant_end: str
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> "ChatFormat":
+        u1, a1, u2 = "\x01U1\x01", "\x01A1\x01", "\x01U2\x01"
+        msgs = [{"role": "user", "content": u1}, {"role": "assistant", "content": a1}, {"role": "user", "content": u2}]
+        full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        head, rest = full.split(u1)
+        user_end, rest = rest.split(a1)
+        between, tail = rest.split(u2)
+        # `between` = assistant_end + user_start; the first user turn's start sits at the end of `head`.
+        user_start = _common_suffix(head, between)
+        return cls(head[: len(head) - len(user_start)], user_start, tail, between[: len(between) - len(user_start)])
+
+
+def _common_suffix(a: str, b: str) -> str:
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return a[len(a) - n :]
+
+
+class PromptBuilder:
+    """Turns (instruction, observations, actions) into token ids, with a mask over action tokens."""
+
+    def __init__(self, tokenizer, context_tokens: int, one_shot: str = ""):
+        self.tok = tokenizer
+        self.fmt = ChatFormat.from_tokenizer(tokenizer)
+        self.context_tokens = context_tokens
+        self.one_shot = one_shot
+        self._enc = lambda s: tokenizer.encode(s, add_special_tokens=False) if s else []
+        self.head_ids = self._enc(self.fmt.head)
+        self.user_start_ids = self._enc(self.fmt.user_start)
+        self.gen_prompt_ids = self._enc(self.fmt.user_end)
+        self.end_ids = self._enc(self.fmt.assistant_end)
+
+    def first_user_text(self, instruction: str, observation: str) -> str:
+        example = f"\nHere is an example.\n{self.one_shot}\n" if self.one_shot else ""
+        return f"{INSTRUCTION}{example}\n{observation.strip()}\n\nYour task is to: {instruction}"
+
+    def user_turn(self, text: str) -> list[int]:
+        return self.user_start_ids + self._enc(text) + self.gen_prompt_ids
+
+    def action_ids(self, output: str) -> list[int]:
+        """Tokens of one assistant turn, its closing marker included (the model learns to stop)."""
+        return self._enc(output) + self.end_ids
+
+    def turns(self, instruction: str, observations: list[str], outputs: list[str]) -> list[tuple[list[int], list[int]]]:
+        """(user ids, assistant ids) per turn; the last turn's assistant ids are empty if not yet acted."""
+        users = [self.first_user_text(instruction, observations[0])] + observations[1:]
+        return [
+            (self.user_turn(u), self.action_ids(outputs[i]) if i < len(outputs) else [])
+            for i, u in enumerate(users)
+        ]
+
+    def fit(self, turns: list[tuple[list[int], list[int]]], reserve: int = 0) -> list[tuple[list[int], list[int]]]:
+        """Keep the first turn and the latest turns that fit in the context budget minus `reserve`."""
+        budget = self.context_tokens - reserve - len(self.head_ids) - sum(map(len, turns[0]))
+        kept: list[tuple[list[int], list[int]]] = []
+        for turn in reversed(turns[1:]):
+            size = len(turn[0]) + len(turn[1])
+            if size > budget:
+                break
+            kept.append(turn)
+            budget -= size
+        return [turns[0]] + kept[::-1]
+
+    def prompt(self, instruction: str, observations: list[str], outputs: list[str], reserve: int = 0) -> list[int]:
+        """Ids of the conversation so far, ending with the generation prompt for the next action."""
+        assert len(observations) == len(outputs) + 1
+        ids = list(self.head_ids)
+        for user, assistant in self.fit(self.turns(instruction, observations, outputs), reserve):
+            ids += user + assistant
+        return ids
+
+    def training_examples(self, instruction: str, observations: list[str], outputs: list[str]) -> list[tuple[list[int], list[int]]]:
+        """(ids, mask) windows covering every action of a trajectory; mask is 1 on action tokens only.
+
+        A trajectory that fits the budget is one window. A longer one is cut into windows that each start
+        with the first turn (as context) followed by consecutive later turns, as the policy sees them when
+        acting with a truncated history.
+        """
+        turns = self.turns(instruction, observations[: len(outputs)], outputs)
+        first = turns[0]
+        budget = self.context_tokens - len(self.head_ids) - sum(map(len, first))
+        examples, i = [], 1
+        while True:
+            ids = self.head_ids + first[0] + first[1]
+            mask = [0] * (len(self.head_ids) + len(first[0])) + [int(i == 1)] * len(first[1])
+            used = 0
+            while i < len(turns) and (used == 0 or used + sum(map(len, turns[i])) <= budget):
+                user, assistant = turns[i]
+                ids, mask = ids + user + assistant, mask + [0] * len(user) + [1] * len(assistant)
+                used += len(user) + len(assistant)
+                i += 1
+            examples.append((ids[: self.context_tokens], mask[: self.context_tokens]))
+            if i >= len(turns):
+                return examples

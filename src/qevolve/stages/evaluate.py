@@ -1,0 +1,50 @@
+"""`evaluate`: greedy episodes of a policy on the configured evaluation splits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qevolve.config import Params
+from qevolve.data.atomic import write_json
+from qevolve.data.store import Trajectory, write_store
+from qevolve.envs import make_env, select_tasks
+from qevolve.models.policy import Actor, load_policy
+from qevolve.stages.bc import make_builder
+from qevolve.stages.rollout import play
+
+
+def episode_metrics(trajs: list[Trajectory]) -> dict:
+    """Success rate, average reward, steps, invalid-action rate and tokens per episode."""
+    n = max(len(trajs), 1)
+    steps = [s for t in trajs for s in t.steps]
+    return {
+        "episodes": len(trajs),
+        "success_rate": sum(t.won for t in trajs) / n,
+        "avg_reward": sum(t.reward for t in trajs) / n,
+        "avg_steps": len(steps) / n,
+        "invalid_rate": sum(not s.valid for s in steps) / max(len(steps), 1),
+        "output_tokens_per_episode": sum(s.output_tokens for s in steps) / n,
+        "prompt_tokens_per_episode": sum(s.prompt_tokens for s in steps) / n,
+    }
+
+
+def evaluate(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics_path: Path, iteration: int) -> dict:
+    cfg = params.evaluate
+    torch.manual_seed(cfg.seed)
+    model, tok = load_policy(base_dir, params.model, adapter=policy_dir)
+    actor = Actor(model, tok, make_builder(params, tok, policy_dir), params.policy.action_mode, params.policy.temperature, params.policy.max_new_tokens)
+    lister = make_env(params.env)
+    all_trajs, metrics = [], {}
+    for split, count in cfg.splits.items():
+        tasks = select_tasks(lister, split, params.env, count, cfg.seed)
+        trajs = play(
+            lambda: make_env(params.env), tasks, actor, max_steps=params.env.max_steps, greedy=True,
+            source=f"policy@{iteration}", batch_size=cfg.batch_size, seed=cfg.seed, desc=f"evaluate {split}",
+        )
+        metrics[split] = episode_metrics(trajs)
+        all_trajs += trajs
+    write_store(out, all_trajs)
+    write_json(metrics_path, metrics)
+    return metrics

@@ -1,0 +1,73 @@
+"""`experts`: demonstrations from the environment's expert on a subset of train tasks."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import uuid
+from pathlib import Path
+
+from tqdm import tqdm
+
+from qevolve.config import Params
+from qevolve.data.atomic import write_json
+from qevolve.data.store import StepRecord, Trajectory, write_store
+from qevolve.envs import Task, make_env, select_tasks
+from qevolve.models.prompt import format_action
+
+_worker_env = None
+
+
+def _init_worker(params: Params) -> None:
+    global _worker_env
+    _worker_env = make_env(params.env, expert=True)
+
+
+def demonstrate(env, task: Task, max_steps: int) -> Trajectory:
+    """Play the expert on one task; the trajectory records whether it won."""
+    first = env.reset(task)
+    traj = Trajectory(uuid.uuid4().hex, task.id, task.type, task.split, "expert", first.instruction)
+    obs = first.text
+    for t in range(max_steps):
+        action = env.expert_action()
+        if action is None:
+            traj.failure = "expert has no action"
+            return traj
+        r = env.step(action)
+        traj.steps.append(
+            StepRecord(
+                step=t, observation=obs, output=format_action(action), action=action, next_observation=r.observation,
+                reward=r.reward, done=r.done, won=r.won, valid=r.valid,
+            )
+        )
+        obs = r.observation
+        if r.done:
+            traj.won = r.won
+            traj.failure = "" if r.won else "done"
+            return traj
+    traj.failure = "max_steps"
+    return traj
+
+
+def _demonstrate_in_worker(args: tuple[Task, int]) -> Trajectory:
+    return demonstrate(_worker_env, *args)
+
+
+def experts(params: Params, out: Path, metrics_path: Path) -> dict:
+    """Write the won expert demonstrations to the store at `out`; return and write metrics."""
+    cfg = params.experts
+    probe = make_env(params.env, expert=True)
+    tasks = select_tasks(probe, cfg.split, params.env, cfg.num_tasks, cfg.seed)
+    jobs = [(t, cfg.max_steps) for t in tasks]
+    with mp.get_context("spawn").Pool(min(cfg.workers, len(jobs)), _init_worker, (params,)) as pool:
+        trajs = list(tqdm(pool.imap(_demonstrate_in_worker, jobs), total=len(jobs), desc="experts", unit="ep"))
+    won = [t for t in trajs if t.won]
+    write_store(out, won)
+    metrics = {
+        "tasks": len(trajs),
+        "won": len(won),
+        "success_rate": len(won) / max(len(trajs), 1),
+        "mean_steps": sum(len(t.steps) for t in won) / max(len(won), 1),
+        "failures": {t.task_id: t.failure for t in trajs if not t.won},
+    }
+    write_json(metrics_path, metrics)
+    return metrics

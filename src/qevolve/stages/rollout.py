@@ -1,0 +1,94 @@
+"""Play a policy on many tasks at once: one environment per slot, the policy batched across slots.
+
+A slot whose episode ends is refilled with the next task straight away, so the batch stays full.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from qevolve.data.store import StepRecord, Trajectory
+from qevolve.envs.base import Task, TextEnv
+from qevolve.models.policy import Actor
+from qevolve.models.prompt import parse_action
+
+
+@dataclass
+class _Episode:
+    task: Task
+    traj: Trajectory
+    observations: list[str]
+    admissible: list[str]
+    outputs: list[str] = field(default_factory=list)
+
+
+def play(
+    make_env: Callable[[], TextEnv],
+    tasks: list[Task],
+    actor: Actor,
+    *,
+    max_steps: int,
+    greedy: bool,
+    source: str,
+    batch_size: int,
+    seed: int = 0,
+    desc: str = "rollout",
+) -> list[Trajectory]:
+    """Roll `actor` out on every task; trajectories come back in the order of `tasks`."""
+    generator = torch.Generator().manual_seed(seed)
+    envs = [make_env() for _ in range(min(batch_size, len(tasks)))]
+    queue = list(enumerate(tasks))
+    slots: list[tuple[int, _Episode] | None] = [None] * len(envs)
+    results: dict[int, Trajectory] = {}
+    bar = tqdm(total=len(tasks), desc=desc, unit="ep")
+
+    def start(slot: int) -> None:
+        index, task = queue.pop(0)
+        first = envs[slot].reset(task)
+        traj = Trajectory(uuid.uuid4().hex, task.id, task.type, task.split, source, first.instruction)
+        slots[slot] = (index, _Episode(task, traj, [first.text], first.admissible))
+
+    try:
+        for s in range(len(envs)):
+            start(s)
+        while any(slots):
+            active = [s for s, e in enumerate(slots) if e is not None]
+            episodes = [slots[s][1] for s in active]
+            prompts = [actor.builder.prompt(e.traj.instruction, e.observations, e.outputs) for e in episodes]
+            decisions = actor.act(prompts, [e.admissible for e in episodes], greedy, generator)
+            for s, ep, prompt, d in zip(active, episodes, prompts, decisions):
+                action, _ = parse_action(d.output)
+                if action is None:
+                    obs, reward, done, won, valid, admissible = ep.observations[-1], 0.0, False, False, False, ep.admissible
+                else:
+                    r = envs[s].step(action)
+                    obs, reward, done, won, valid, admissible = r.observation, r.reward, r.done, r.won, r.valid, r.admissible
+                ep.traj.steps.append(
+                    StepRecord(
+                        step=len(ep.outputs), observation=ep.observations[-1], output=d.output, action=action,
+                        next_observation=obs, reward=reward, done=done, won=won, valid=valid,
+                        logp=d.logp, prompt_tokens=len(prompt), output_tokens=d.output_tokens,
+                    )
+                )
+                ep.outputs.append(d.output)
+                ep.observations.append(obs)
+                ep.admissible = admissible
+                if done or len(ep.outputs) >= max_steps:
+                    ep.traj.won = won
+                    ep.traj.failure = "" if won else ("done" if done else "max_steps")
+                    results[slots[s][0]] = ep.traj
+                    slots[s] = None
+                    bar.update(1)
+                    bar.set_postfix(success=f"{sum(t.won for t in results.values())}/{len(results)}")
+                    if queue:
+                        start(s)
+    finally:
+        bar.close()
+        for env in envs:
+            env.close()
+    return [results[i] for i in range(len(tasks))]

@@ -1,0 +1,49 @@
+"""Prefect tasks: thin wrappers over the stage functions, with DVC doing the caching.
+
+A task asks DVC whether its stage is up to date (same code, params and input hashes as in dvc.lock and
+outputs present). If so it does nothing and returns the recorded metrics; otherwise it runs the stage
+in-process and records it with `dvc commit`, so `dvc.lock` always agrees with what the flow produced
+and `dvc repro` / `dvc status` see the same state.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import task
+
+from qevolve import paths
+from qevolve.config import load_params
+from qevolve.stages import run_stage, stage_name
+
+
+def dvc_repo(root: Path):
+    from dvc.repo import Repo
+
+    return Repo(str(root))
+
+
+def stage_is_current(root: Path, name: str) -> bool:
+    with dvc_repo(root) as repo:
+        return not repo.status(targets=[name])
+
+
+def _run_name() -> str:
+    from prefect.runtime import task_run
+
+    return stage_name(task_run.parameters["stage"], task_run.parameters.get("iteration"))
+
+
+@task(name="stage", task_run_name=_run_name)
+def run_pipeline_stage(stage: str, iteration: int | None = None, root: str = ".") -> dict:
+    """Run one stage unless DVC says it is up to date; return its metrics and whether it ran."""
+    root_path = Path(root).resolve()
+    name = stage_name(stage, iteration)
+    if stage_is_current(root_path, name):
+        metrics = json.loads((root_path / paths.metrics(name)).read_text())
+        return {"stage": name, "ran": False, "metrics": metrics}
+    metrics = run_stage(stage, load_params(root_path / "params.yaml"), iteration)
+    with dvc_repo(root_path) as repo:
+        repo.commit(name, force=True)
+    return {"stage": name, "ran": True, "metrics": metrics}
