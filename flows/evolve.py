@@ -31,7 +31,7 @@ def pipeline(iterations: int = 0) -> list[tuple[str, int | None]]:
     return [("experts", None), ("base", None), ("bc", None), ("evaluate", 0)]
 
 
-@flow(name="evolve", log_prints=True)
+@flow(name="evolve")
 def evolve(root: str = str(ROOT)) -> dict:
     """Expert demonstrations, behaviour cloning, then evaluation; each stage tracked in MLflow."""
     os.chdir(root)
@@ -48,6 +48,11 @@ def evolve(root: str = str(ROOT)) -> dict:
     return results
 
 
+def peak_rss_gb() -> float:
+    """Peak resident memory of this process or any finished child (Linux reports KiB)."""
+    return max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 2**20
+
+
 def main() -> int:
     start = time.perf_counter()
     results = evolve()
@@ -57,7 +62,7 @@ def main() -> int:
     print(summary_table(list(range(params.evolve.iterations + 1))))
     print()
     print(f"stages run: {', '.join(ran) or 'none (all up to date)'}; wall time {time.perf_counter() - start:.0f}s; "
-          f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB")
+          f"peak RSS {peak_rss_gb():.2f} GB")
     print("Where to look next:")
     print("  mlflow ui --backend-store-uri sqlite:///mlflow.db   # runs, metrics, adapter, trajectories")
     print("  dvc dag && dvc metrics show && dvc plots show        # lineage and results")

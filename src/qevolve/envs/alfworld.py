@@ -7,6 +7,8 @@ how ALFWorld's own loader reuses an environment; a reset still costs about a sec
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 import subprocess
@@ -140,8 +142,9 @@ class AlfworldEnv:
             extras = ["gamefile"] + (["expert_plan"] if self.with_expert else [])
             infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=extras)
             self._env = textworld.start(str(game), request_infos=infos, wrappers=self._wrappers())
-        self._env.load(str(game))
-        self._state = self._env.reset()
+        with contextlib.redirect_stdout(io.StringIO()):  # the PDDL planner prints its grounding log
+            self._env.load(str(game))
+            self._state = self._env.reset()
         self._won = False
         instruction, obs = split_observation(self._state.feedback)
         return Observation(instruction=instruction, text=obs, admissible=self._admissible())
