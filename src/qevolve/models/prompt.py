@@ -99,12 +99,14 @@ class PromptBuilder:
         ]
 
     def fit(self, turns: list[tuple[list[int], list[int]]], reserve: int = 0) -> list[tuple[list[int], list[int]]]:
-        """Keep the first turn and the latest turns that fit in the context budget minus `reserve`."""
+        """Keep the first turn and the latest turns that fit in the context budget minus `reserve`.
+
+        The latest turn is kept even when it alone exceeds the budget."""
         budget = self.context_tokens - reserve - len(self.head_ids) - sum(map(len, turns[0]))
         kept: list[tuple[list[int], list[int]]] = []
         for turn in reversed(turns[1:]):
             size = len(turn[0]) + len(turn[1])
-            if size > budget:
+            if size > budget and kept:  # the latest turn is always kept: it holds the current observation
                 break
             kept.append(turn)
             budget -= size
@@ -138,6 +140,6 @@ class PromptBuilder:
                 ids, mask = ids + user + assistant, mask + [0] * len(user) + [1] * len(assistant)
                 used += len(user) + len(assistant)
                 i += 1
-            examples.append((ids[: self.context_tokens], mask[: self.context_tokens]))
+            examples.append((ids, mask))  # a single turn longer than the budget is kept whole
             if i >= len(turns):
                 return examples

@@ -1,0 +1,50 @@
+import pytest
+import yaml
+
+from qevolve.config import ConfigError, load_params
+
+from conftest import REPO
+
+
+def test_repository_params_load():
+    params = load_params(REPO / "params.yaml")
+    assert params.policy.action_mode == "admissible"
+
+
+def _write(tmp_path, raw):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.mark.parametrize(
+    "raw, key",
+    [
+        ({"bc": {"lr": -1.0}}, "bc.lr"),
+        ({"bc": {"epochs": "many"}}, "bc.epochs"),
+        ({"bc": {"learning_rate": 0.1}}, "bc.learning_rate"),
+        ({"polcy": {}}, "polcy"),
+        ({"policy": {"action_mode": "guess"}}, "policy.action_mode"),
+        ({"env": {"task_types": ["make_coffee"]}}, "env.task_types"),
+        ({"evaluate": {"splits": {"valid_seen": -1}}}, "evaluate.splits"),
+        ({"model": {"lora": {"dropout": 1.5}}}, "model.lora.dropout"),
+    ],
+)
+def test_bad_values_fail_naming_file_and_key(tmp_path, raw, key):
+    path = _write(tmp_path, raw)
+    with pytest.raises(ConfigError) as err:
+        load_params(path)
+    assert str(path) in str(err.value)
+    assert f"  {key}:" in str(err.value)
+
+
+def test_unknown_key_is_called_unknown(tmp_path):
+    with pytest.raises(ConfigError, match="bc.learning_rate: unknown key"):
+        load_params(_write(tmp_path, {"bc": {"learning_rate": 0.1}}))
+
+
+def test_non_mapping_file_fails(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_params(path)

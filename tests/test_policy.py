@@ -1,0 +1,71 @@
+import torch
+
+from qevolve.config import ModelConfig
+from qevolve.models.policy import Actor, load_policy, score_candidates
+from qevolve.models.prompt import PromptBuilder
+from qevolve.stages.bc import pad_batch, train_step
+
+MODEL = ModelConfig(lora={"r": 8, "alpha": 16})
+
+
+def test_batched_candidate_scores_equal_one_sequence_at_a_time(tiny_base):
+    model, tok = load_policy(tiny_base, MODEL)
+    model.eval()
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    prompts = [enc("You arrive at desk 1. On the desk 1, you see a book 1."), enc("Nothing happens.")]
+    cands = [[enc("Action: take book 1"), enc("Action: go to cabinet 1"), enc("Action: look")], [enc("Action: look")]]
+    scores = score_candidates(model, prompts, cands, tok.pad_token_id)
+    with torch.no_grad():
+        for p, cs, got in zip(prompts, cands, scores):
+            for c, s in zip(cs, got):
+                logp = torch.log_softmax(model(input_ids=torch.tensor([p + c])).logits[0], -1)
+                want = sum(logp[len(p) - 1 + i, t] for i, t in enumerate(c))
+                assert abs(float(want) - float(s)) < 1e-4
+
+
+def test_admissible_actor_greedy_and_sampled_logp(tiny_base):
+    model, tok = load_policy(tiny_base, MODEL)
+    builder = PromptBuilder(tok, 512)
+    actor = Actor(model, tok, builder, "admissible", temperature=2.0, max_new_tokens=8)
+    prompt = builder.prompt("put some book on sidetable.", ["You are in the middle of a room."], [])
+    acts = ["go to desk 1", "go to cabinet 1", "look"]
+    cand = [builder.action_ids(f"Action: {a}") for a in acts]
+    scores = score_candidates(model, [prompt], [cand], tok.pad_token_id)[0]
+    [greedy] = actor.act([prompt], [acts], greedy=True)
+    best = int(scores.argmax())
+    assert greedy.output == f"Action: {acts[best]}"
+    assert abs(greedy.logp - float(torch.log_softmax(scores, -1)[best])) < 1e-5
+    [sampled] = actor.act([prompt], [acts], greedy=False, generator=torch.Generator().manual_seed(0))
+    k = [f"Action: {a}" for a in acts].index(sampled.output)
+    assert abs(sampled.logp - float(torch.log_softmax(scores / 2.0, -1)[k])) < 1e-5
+
+
+def test_free_actor_generates_text(tiny_base):
+    model, tok = load_policy(tiny_base, MODEL)
+    builder = PromptBuilder(tok, 512)
+    actor = Actor(model, tok, builder, "free", temperature=1.0, max_new_tokens=6)
+    prompt = builder.prompt("put some book on sidetable.", ["You are in the middle of a room."], [])
+    decisions = actor.act([prompt, prompt[:20]], [[], []], greedy=True)
+    assert len(decisions) == 2 and all(0 < d.output_tokens <= 6 and d.logp <= 0 for d in decisions)
+
+
+def test_bc_step_lowers_loss_and_changes_only_the_adapter(tiny_base):
+    torch.manual_seed(0)
+    model, tok = load_policy(tiny_base, MODEL)
+    builder = PromptBuilder(tok, 512)
+    examples = builder.training_examples(
+        "put some book on sidetable.",
+        ["You are in the middle of a room.", "You arrive at desk 1."],
+        ["Action: go to desk 1", "Action: take book 1 from desk 1"],
+    )
+    batch = [pad_batch(examples, tok.pad_token_id)]
+    trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    assert any("lora_" in n for n in trainable)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    losses = [train_step(model, opt, batch) for _ in range(5)]
+    assert losses[-1] < losses[0]
+    params = dict(model.named_parameters())
+    assert any(not torch.equal(params[n], v) for n, v in trainable.items() if "lora_B" in n)
+    assert all(torch.equal(params[n], v) for n, v in frozen.items())
