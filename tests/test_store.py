@@ -57,7 +57,7 @@ def test_wrong_type_is_rejected(tmp_path):
 
 def test_nan_reward_is_rejected(tmp_path):
     write_store(tmp_path / "s", [_traj(reward=float("nan"))])
-    with pytest.raises(SchemaError, match="'reward' holds NaN or null at row 1"):
+    with pytest.raises(SchemaError, match=r"trajectories\.parquet: column 'reward' holds NaN or null at row 0"):
         read_store(tmp_path / "s")
 
 
