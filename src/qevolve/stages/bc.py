@@ -65,7 +65,7 @@ def train_step(model, optimizer, batches: list[tuple[torch.Tensor, torch.Tensor,
         weight = int(mask[:, 1:].sum()) / max(total, 1)
         loss = masked_nll(logits, ids, mask) * weight
         loss.backward()
-        loss_sum += float(loss)
+        loss_sum += float(loss.detach())
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
     optimizer.step()
     return loss_sum

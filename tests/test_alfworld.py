@@ -1,0 +1,39 @@
+from qevolve.envs.alfworld import AlfworldEnv, split_observation
+from qevolve.envs import select_tasks
+from qevolve.config import EnvConfig
+from qevolve.stages.experts import demonstrate
+
+
+def test_standard_split_sizes(alfworld_data):
+    env = AlfworldEnv(alfworld_data)
+    assert {s: len(env.tasks(s)) for s in ("train", "valid_seen", "valid_unseen")} == {
+        "train": 3553, "valid_seen": 140, "valid_unseen": 134,
+    }
+
+
+def test_task_type_filter_and_seeded_subset(alfworld_data):
+    env = AlfworldEnv(alfworld_data)
+    cfg = EnvConfig(task_types=["look_at_obj_in_light"])
+    a = select_tasks(env, "valid_seen", cfg, 5, seed=1)
+    assert a == select_tasks(env, "valid_seen", cfg, 5, seed=1)
+    assert len(a) == 5 and all(t.type == "look_at_obj_in_light" for t in a)
+    assert len(select_tasks(env, "valid_seen", cfg, 0, seed=1)) == 13
+
+
+def test_split_observation():
+    fb = "-= Welcome to TextWorld, ALFRED! =-\n\nYou are in a room.\n\nYour task is to: put a book in sofa."
+    assert split_observation(fb) == ("put a book in sofa.", "You are in a room.")
+
+
+def test_rejected_action_and_handcoded_expert_wins(alfworld_data):
+    env = AlfworldEnv(alfworld_data, expert=True)
+    task = next(t for t in env.tasks("valid_seen") if t.type == "pick_and_place_simple")
+    first = env.reset(task)
+    assert first.instruction and "go to" in " ".join(first.admissible)
+    rejected = env.step("open nonexistent 1")
+    assert rejected.observation == "Nothing happens." and not rejected.valid and not rejected.done
+    traj = demonstrate(env, task, max_steps=60)
+    env.close()
+    assert traj.won and traj.reward == 1.0 and traj.steps[-1].won
+    assert all(s.valid for s in traj.steps[1:])
+    assert any(s.action.startswith(("open ", "go to ")) for s in traj.steps)
