@@ -1,0 +1,27 @@
+# The two commands of the README's Quickstart. Both set everything up first and are idempotent.
+SHELL := /bin/bash
+CORES := $(shell nproc)
+export OMP_NUM_THREADS ?= $(CORES)
+export HF_HUB_OFFLINE ?= 1
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export DVC_NO_ANALYTICS ?= 1
+export MLFLOW_DISABLE_TELEMETRY ?= true
+# On a machine without internet, a local copy of ALFWorld's games archive (used only if ALFWORLD_DATA
+# does not already hold the games).
+LOCAL_ARCHIVE := $(wildcard ../shared/data/alfworld/json_2.1.1_all_splits.tar.xz)
+ifneq ($(LOCAL_ARCHIVE),)
+export QEVOLVE_ALFWORLD_ARCHIVE ?= $(abspath $(LOCAL_ARCHIVE))
+endif
+
+.PHONY: setup quickstart test test-all
+setup:
+	./scripts/setup.sh
+
+quickstart: setup
+	PYTHONPATH=. .venv/bin/python -m flows.evolve
+
+test: setup
+	PYTHONPATH=. .venv/bin/python -m pytest -m "not slow"
+
+test-all: setup
+	PYTHONPATH=. .venv/bin/python -m pytest
