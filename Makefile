@@ -6,6 +6,7 @@ export HF_HUB_OFFLINE ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DVC_NO_ANALYTICS ?= 1
 export MLFLOW_DISABLE_TELEMETRY ?= true
+export PATH := $(CURDIR)/.venv/bin:$(PATH)
 # On a machine without internet, a local copy of ALFWorld's games archive (used only if ALFWORLD_DATA
 # does not already hold the games).
 LOCAL_ARCHIVE := $(wildcard ../shared/data/alfworld/json_2.1.1_all_splits.tar.xz)

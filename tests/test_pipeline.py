@@ -6,10 +6,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import yaml
 
 from conftest import REPO
+
+DVC = str(Path(sys.executable).with_name("dvc"))  # the venv's dvc, whether or not the venv is activated
 
 TINY = {
     "env": {"max_steps": 6},
@@ -21,7 +24,7 @@ TINY = {
 
 
 def _dvc_stages(cwd) -> list[str]:
-    out = subprocess.run(["dvc", "stage", "list", "--name-only"], cwd=cwd, capture_output=True, text=True, check=True)
+    out = subprocess.run([DVC, "stage", "list", "--name-only"], cwd=cwd, capture_output=True, text=True, check=True)
     return out.stdout.split()
 
 
@@ -92,7 +95,7 @@ def test_flow_end_to_end_resumes_after_kill_and_leaves_dvc_clean(tmp_path, alfwo
     out = _finish(_flow(ws))
     assert _stages_run(out) == "stages run: bc, evaluate@0"
     assert "valid_seen" in out and "mlflow ui" in out and "dvc dag" in out and "prefect server start" in out
-    status = subprocess.run(["dvc", "status"], cwd=ws, capture_output=True, text=True, check=True).stdout
+    status = subprocess.run([DVC, "status"], cwd=ws, capture_output=True, text=True, check=True).stdout
     assert "up to date" in status, status
 
     # 3. Again: no work at all.
