@@ -26,7 +26,7 @@ from tasks import run_pipeline_stage
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def pipeline(iterations: int = 0) -> list[tuple[str, int | None]]:
+def pipeline() -> list[tuple[str, int | None]]:
     """(stage, iteration) in run order; dvc.yaml declares the same stages (a test checks it)."""
     return [("experts", None), ("base", None), ("bc", None), ("evaluate", 0)]
 
@@ -40,7 +40,7 @@ def evolve(root: str = str(ROOT)) -> dict:
         ensure_alfworld_data()
     results = {}
     with start_evolution(params, run_name=f"evolve-{time.strftime('%Y%m%d-%H%M%S')}") as run:
-        for stage, iteration in pipeline(params.evolve.iterations):
+        for stage, iteration in pipeline():
             result = run_pipeline_stage(stage, iteration, root)
             log_stage(result)
             results[stage_name(stage, iteration)] = result

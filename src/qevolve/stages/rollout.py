@@ -59,7 +59,8 @@ def play(
         while any(slots):
             active = [s for s, e in enumerate(slots) if e is not None]
             episodes = [slots[s][1] for s in active]
-            prompts = [actor.builder.prompt(e.traj.instruction, e.observations, e.outputs) for e in episodes]
+            reserve = actor.max_new_tokens if actor.mode == "free" else 0  # room for the generated turn
+            prompts = [actor.builder.prompt(e.traj.instruction, e.observations, e.outputs, reserve) for e in episodes]
             decisions = actor.act(prompts, [e.admissible for e in episodes], greedy, generator)
             for s, ep, prompt, d in zip(active, episodes, prompts, decisions):
                 action, _ = parse_action(d.output)
