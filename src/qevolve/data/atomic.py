@@ -50,7 +50,3 @@ def write_json(path: Path | str, obj) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
-
-def write_text(path: Path | str, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text)
