@@ -7,4 +7,4 @@
 from flows.evolve import evolve
 
 if __name__ == "__main__":
-    evolve.serve(name="qevolve-evolve", description="experts -> base -> bc -> evaluate@0")
+    evolve.serve(name="qevolve-evolve", description="experts -> base -> bc -> evaluate@0, then evolve.iterations Q-Evolve iterations")

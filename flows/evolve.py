@@ -1,7 +1,9 @@
-"""The evolution as a Prefect flow: experts -> base -> bc -> evaluate@0 (then the Q-Evolve iterations).
+"""The evolution as a Prefect flow: experts -> base -> bc -> evaluate@0, then `evolve.iterations` Q-Evolve
+iterations, each a sub-flow: collect@k -> relabel@k -> critic@k -> advantage@k -> policy@k -> evaluate@k.
 
 Each stage is a task that DVC skips when its inputs are unchanged, so a second run does no work and a
-killed run resumes at the first unfinished stage. Run it from the workspace root:
+killed run resumes at the first unfinished stage. MLflow gets one parent run per evolution and one child
+run per iteration. Run it from the workspace root:
 
     python -m flows.evolve
 """
@@ -16,34 +18,48 @@ from pathlib import Path
 
 from prefect import flow
 
-from flows.tracking import log_stage, start_evolution
+from flows.tracking import log_evolution_views, log_iteration_views, log_stage, start_evolution, start_iteration
+from qevolve import dvcfile
 from qevolve.cli import summary_table
 from qevolve.config import load_params
 from qevolve.envs.alfworld import ensure_alfworld_data
-from qevolve.stages import stage_name
+from qevolve.stages import ITERATION, pipeline, stage_name
 from tasks import run_pipeline_stage
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def pipeline() -> list[tuple[str, int | None]]:
-    """(stage, iteration) in run order; dvc.yaml declares the same stages (a test checks it)."""
-    return [("experts", None), ("base", None), ("bc", None), ("evaluate", 0)]
+@flow(name="iteration", flow_run_name="iteration-{k}")
+def iteration(k: int, root: str, parent_run_id: str) -> dict:
+    """One Q-Evolve iteration; its stages are tasks, its metrics go to a child MLflow run."""
+    results = {}
+    with start_iteration(k, parent_run_id):
+        for stage in ITERATION:
+            result = run_pipeline_stage(stage, k, root)
+            log_stage(result)
+            results[stage_name(stage, k)] = result
+        log_iteration_views(k)
+    return results
 
 
 @flow(name="evolve")
 def evolve(root: str = str(ROOT)) -> dict:
-    """Expert demonstrations, behaviour cloning, then evaluation; each stage tracked in MLflow."""
+    """Expert demonstrations, behaviour cloning and its evaluation, then the Q-Evolve iterations."""
     os.chdir(root)
     params = load_params("params.yaml")
+    if dvcfile.write(params, Path("dvc.yaml")):
+        print(f"dvc.yaml regenerated for evolve.iterations = {params.evolve.iterations}")
     if params.env.name == "alfworld":
         ensure_alfworld_data()
     results = {}
     with start_evolution(params, run_name=f"evolve-{time.strftime('%Y%m%d-%H%M%S')}") as run:
-        for stage, iteration in pipeline():
-            result = run_pipeline_stage(stage, iteration, root)
+        for stage, k in pipeline(0):
+            result = run_pipeline_stage(stage, k, root)
             log_stage(result)
-            results[stage_name(stage, iteration)] = result
+            results[stage_name(stage, k)] = result
+        for k in range(1, params.evolve.iterations + 1):
+            results.update(iteration(k, root, run.info.run_id))
+        log_evolution_views(params.evolve.iterations)
         results["mlflow_run_id"] = run.info.run_id
     return results
 

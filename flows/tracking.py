@@ -14,6 +14,7 @@ import mlflow
 from qevolve import paths
 from qevolve.config import Params
 from qevolve.data.store import read_store
+from qevolve.stages.advantage import read_advantages
 
 SAMPLE_TRAJECTORIES = 4
 
@@ -49,6 +50,77 @@ def render_trajectories(store: Path, limit: int = SAMPLE_TRAJECTORIES) -> str:
     return "\n".join(lines)
 
 
+def start_iteration(k: int, parent_run_id: str):
+    """The child run of iteration k, under the evolution's parent run."""
+    return mlflow.start_run(run_name=f"iteration-{k}", nested=True, parent_run_id=parent_run_id, tags={"qevolve.iteration": str(k)})
+
+
+def render_credit(k: int, limit: int = SAMPLE_TRAJECTORIES) -> str:
+    """A few trajectories of iteration k's hybrid dataset with each step's auxiliary reward and advantage:
+    where the critic put the credit. Won and lost self rollouts first, then an expert demonstration."""
+    trajs = read_store(paths.hybrid(k))
+    adv = read_advantages(paths.advantages(k))
+    own = [t for t in trajs if t.source != "expert"]
+    picks = [t for t in own if t.won][: limit // 2] + [t for t in own if not t.won][: limit // 2]
+    picks += [t for t in trajs if t.source == "expert"][:1]
+    lines = [f"# Credit assignment, iteration {k}", "", "A = normalised advantage (GAE over the critic's V); aux = relabeling reward.", ""]
+    for t in picks:
+        lines += [f"## {t.task_id} ({t.source}) — {'won' if t.won else 'lost: ' + t.failure}", f"**Task:** {t.instruction}", "",
+                  "| step | action | aux | reason | A |", "|---:|---|---:|---|---:|"]
+        for st in t.steps:
+            a = adv.get((t.trajectory_id, st.step), float("nan"))
+            lines.append(f"| {st.step + 1} | `{st.action or st.output}` | {st.aux_reward:+.2f} | {st.aux_reason} | {a:+.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _curve_metrics(stage: str, name: str, keys: tuple[str, ...]) -> None:
+    for point in json.loads(paths.curve(name).read_text()):
+        mlflow.log_metrics({f"{stage}/train_{key}": point[key] for key in keys if key in point}, step=point["step"])
+
+
+def _histogram_figure(rows: list[dict], title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    width = rows[1]["advantage"] - rows[0]["advantage"] if len(rows) > 1 else 1.0
+    ax.bar([r["advantage"] for r in rows], [r["count"] for r in rows], width=width * 0.9)
+    ax.set(xlabel="advantage (normalised)", ylabel="steps", title=title)
+    fig.tight_layout()
+    return fig
+
+
+def log_iteration_views(k: int) -> None:
+    mlflow.log_text(render_credit(k), f"trajectories/credit@{k}.md")
+
+
+def log_evolution_views(iterations: int) -> None:
+    """On the parent run: success rate per split across iterations, as metrics and as a plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[int, float]]] = {}
+    for k in range(iterations + 1):
+        path = paths.metrics(f"evaluate@{k}")
+        if path.exists():
+            for split, m in json.loads(path.read_text()).items():
+                series.setdefault(split, []).append((k, m["success_rate"]))
+    fig, ax = plt.subplots(figsize=(5, 3))
+    for split, points in series.items():
+        ax.plot([k for k, _ in points], [v for _, v in points], marker="o", label=split)
+    ax.set(xlabel="iteration (0 = BC)", ylabel="success rate", ylim=(0, 1), title="Success across iterations")
+    ax.set_xticks(range(iterations + 1))
+    ax.legend()
+    fig.tight_layout()
+    mlflow.log_figure(fig, "success_by_iteration.png")
+    plt.close(fig)
+
+
 def log_stage(result: dict) -> None:
     """Metrics (numbers only) under the stage's name, plus its artifacts."""
     name = result["stage"]
@@ -59,9 +131,25 @@ def log_stage(result: dict) -> None:
     if stage == "experts":
         mlflow.log_text(render_trajectories(paths.EXPERTS), "trajectories/experts.md")
     elif stage == "bc":
-        curve = json.loads((paths.METRICS / "bc_curve.json").read_text())
-        for point in curve:
-            mlflow.log_metric("bc/train_loss", point["loss"], step=point["step"])
+        _curve_metrics(stage, name, ("loss",))
         mlflow.log_artifacts(str(paths.BC), "bc_adapter")
     elif stage == "evaluate":
         mlflow.log_text(render_trajectories(paths.evaluation(step)), f"trajectories/{name}.md")
+        if step:  # also on the parent run, so its metrics chart the whole evolution
+            parent = mlflow.active_run().data.tags.get("mlflow.parentRunId")
+            if parent:
+                client = mlflow.MlflowClient()
+                for k, v in numbers.items():
+                    client.log_metric(parent, f"evaluate/{k}".replace(".", "/"), float(v), step=step)
+    elif stage == "critic":
+        _curve_metrics(stage, name, ("loss", "v_loss", "q_loss"))
+        mlflow.log_artifacts(str(paths.critic(step)), "critic_adapter")
+    elif stage == "policy":
+        _curve_metrics(stage, name, ("loss", "pg_loss", "kl", "clip_fraction", "ratio"))
+        mlflow.log_artifacts(str(paths.policy(step)), "policy_adapter")
+    elif stage == "advantage":
+        import matplotlib.pyplot as plt
+
+        fig = _histogram_figure(json.loads(paths.curve(name).read_text()), f"Advantages, iteration {step}")
+        mlflow.log_figure(fig, f"advantage_hist@{step}.png")
+        plt.close(fig)

@@ -26,7 +26,7 @@ def test_split_observation():
 
 
 def test_rejected_action_and_handcoded_expert_wins(alfworld_data):
-    env = AlfworldEnv(alfworld_data, expert=True)
+    env = AlfworldEnv(alfworld_data, expert="handcoded")
     task = next(t for t in env.tasks("valid_seen") if t.type == "pick_and_place_simple")
     first = env.reset(task)
     assert first.instruction and "go to" in " ".join(first.admissible)

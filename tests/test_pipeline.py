@@ -20,6 +20,11 @@ TINY = {
     "model": {"embedded": {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab_size": 400}, "context_tokens": 256, "lora": {"r": 8, "alpha": 16}},
     "bc": {"epochs": 2, "batch_size": 4},
     "evaluate": {"splits": {"valid_seen": 2, "valid_unseen": 1}, "batch_size": 3},
+    "collect": {"num_tasks": 2, "samples_per_task": 2, "batch_size": 4},
+    # Enough epochs that the critic and policy stages each run for a few seconds: the test kills them.
+    "critic": {"epochs": 6, "batch_size": 4},
+    "policy": {"epochs": 6, "batch_size": 4},
+    "evolve": {"iterations": 1},
 }
 
 
@@ -28,17 +33,27 @@ def _dvc_stages(cwd) -> list[str]:
     return out.stdout.split()
 
 
-def test_flow_and_dvc_yaml_describe_the_same_stages():
-    from flows.evolve import pipeline
-    from qevolve.stages import stage_name
+def test_flow_and_dvc_yaml_describe_the_same_stages(tmp_path):
+    from qevolve import dvcfile
+    from qevolve.config import load_params, parse_params
+    from qevolve.stages import pipeline, stage_name
 
-    assert [stage_name(s, k) for s, k in pipeline()] == _dvc_stages(REPO)
+    params = load_params(REPO / "params.yaml")
+    subprocess.run([DVC, "init", "--no-scm", "-q"], cwd=tmp_path, check=True)
+    assert (REPO / "dvc.yaml").read_text() == dvcfile.render(params), "run `qevolve dvc-yaml`"
+    for n in (params.evolve.iterations, 2):
+        p = parse_params({**params.model_dump(), "evolve": {"iterations": n}})
+        (tmp_path / "dvc.yaml").write_text(dvcfile.render(p))
+        flow = [stage_name(s, k) for s, k in pipeline(n)]
+        assert sorted(flow) == sorted(_dvc_stages(tmp_path)) == sorted(dvcfile.stage_names(p))
+        assert len(flow) == 4 + 6 * n
 
 
 def test_stages_do_not_import_orchestration():
     code = (
-        "import sys, qevolve.stages, qevolve.stages.experts, qevolve.stages.base, qevolve.stages.bc, "
-        "qevolve.stages.evaluate, qevolve.cli\n"
+        "import sys, qevolve.cli, qevolve.dvcfile\n"
+        "from qevolve.stages import STAGES\n"
+        "for s in STAGES: __import__(f'qevolve.stages.{s}')\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'mlflow', 'dvc'))\n"
         "assert not bad, bad"
     )
@@ -56,7 +71,7 @@ def _workspace(tmp_path):
             shutil.copyfile(REPO / rel, ws / rel)
     params = yaml.safe_load((ws / "params.yaml").read_text())
     for section, values in TINY.items():
-        params[section].update(values)
+        params.setdefault(section, {}).update(values)
     (ws / "params.yaml").write_text(yaml.safe_dump(params))
     return ws
 
@@ -76,41 +91,56 @@ def _stages_run(out: str) -> str:
     return next(line for line in out.splitlines() if line.startswith("stages run:")).split(";")[0]
 
 
-def test_flow_end_to_end_resumes_after_kill_and_leaves_dvc_clean(tmp_path, alfworld_data):
-    ws = _workspace(tmp_path)
-    # 1. Kill the flow once `base` is recorded in dvc.lock (bc is then running or about to).
+def _kill_when_recorded(ws, stage: str, before: str):
+    """Start the flow and SIGKILL it once `before` is in dvc.lock, i.e. while `stage` runs."""
     proc = _flow(ws)
-    deadline = time.time() + 400
+    deadline = time.time() + 500
     while time.time() < deadline and proc.poll() is None:
         lock = ws / "dvc.lock"
-        if lock.exists() and "base" in (yaml.safe_load(lock.read_text()) or {}).get("stages", {}):
+        if lock.exists() and before in (yaml.safe_load(lock.read_text()) or {}).get("stages", {}):
             break
-        time.sleep(0.5)
+        time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()[0][-3000:]
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not (ws / "metrics" / "evaluate@0.json").exists()
+    assert not (ws / "metrics" / f"{stage}.json").exists(), f"{stage} finished before the kill"
 
-    # 2. Re-run: resumes at bc.
+
+def test_flow_end_to_end_resumes_after_kill_and_leaves_dvc_clean(tmp_path, alfworld_data):
+    ws = _workspace(tmp_path)
+    # 1. Kill the flow during critic@1, then during policy@1; each re-run resumes at the killed stage.
+    _kill_when_recorded(ws, "critic@1", before="relabel@1")
+    relabelled = (ws / "metrics" / "relabel@1.json").stat().st_mtime_ns
+    _kill_when_recorded(ws, "policy@1", before="advantage@1")
+    assert (ws / "metrics" / "relabel@1.json").stat().st_mtime_ns == relabelled  # not redone
+    assert (ws / "models" / "critic@1").is_dir()
+
+    # 2. Re-run to the end: only what the kill interrupted, and after it.
     out = _finish(_flow(ws))
-    assert _stages_run(out) == "stages run: bc, evaluate@0"
-    assert "valid_seen" in out and "mlflow ui" in out and "dvc dag" in out and "prefect server start" in out
+    assert _stages_run(out) == "stages run: policy@1, evaluate@1"
+    assert "iter 1" in out and "valid_seen" in out
+    assert "mlflow ui" in out and "dvc dag" in out and "prefect server start" in out
     status = subprocess.run([DVC, "status"], cwd=ws, capture_output=True, text=True, check=True).stdout
     assert "up to date" in status, status
 
     # 3. Again: no work at all.
     assert _stages_run(_finish(_flow(ws))) == "stages run: none (all up to date)"
 
-    # MLflow holds the stage metrics, the adapter and readable trajectories.
+    # MLflow: a parent run per evolution with the setup stages and the success plot, a child per iteration.
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{ws / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["qevolve"], output_format="list")
     finished = [r for r in runs if r.info.status == "FINISHED"]
-    assert finished
-    run = finished[-1]
-    assert {"bc/loss", "evaluate/valid_seen/success_rate", "experts/success_rate"} <= set(run.data.metrics)
-    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
-    assert {"bc_adapter", "trajectories"} <= artifacts
-    text = mlflow.artifacts.load_text(f"runs:/{run.info.run_id}/trajectories/evaluate@0.md")
+    parent = next(r for r in finished if "mlflow.parentRunId" not in r.data.tags)
+    child = next(r for r in finished if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id)
+    assert {"bc/loss", "evaluate/valid_seen/success_rate", "experts/success_rate"} <= set(parent.data.metrics)
+    assert {"critic/v_loss", "critic/v_mean_won", "policy/kl", "policy/clip_fraction", "collect/cumulative_env_steps",
+            "evaluate/valid_seen/success_rate", "advantage/raw_std"} <= set(child.data.metrics)
+    client = mlflow.MlflowClient()
+    assert {"bc_adapter", "trajectories", "success_by_iteration.png"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"critic_adapter", "policy_adapter", "advantage_hist@1.png"} <= {a.path for a in client.list_artifacts(child.info.run_id)}
+    text = mlflow.artifacts.load_text(f"runs:/{parent.info.run_id}/trajectories/evaluate@0.md")
     assert "Action:" in text
+    credit = mlflow.artifacts.load_text(f"runs:/{child.info.run_id}/trajectories/credit@1.md")
+    assert "| step | action | aux | reason | A |" in credit

@@ -3,7 +3,9 @@ import torch
 from qevolve.config import ModelConfig
 from qevolve.models.policy import Actor, load_policy, score_candidates
 from qevolve.models.prompt import PromptBuilder
-from qevolve.stages.bc import pad_batch, train_step
+from qevolve.config import BCConfig
+from qevolve.stages.bc import bc_step
+from qevolve.stages.training import train
 
 MODEL = ModelConfig(lora={"r": 8, "alpha": 16})
 
@@ -58,14 +60,12 @@ def test_bc_step_lowers_loss_and_changes_only_the_adapter(tiny_base):
         ["You are in the middle of a room.", "You arrive at desk 1."],
         ["Action: go to desk 1", "Action: take book 1 from desk 1"],
     )
-    batch = [pad_batch(examples, tok.pad_token_id)]
     trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     assert any("lora_" in n for n in trainable)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    model.train()
-    losses = [train_step(model, opt, batch) for _ in range(5)]
-    assert losses[-1] < losses[0]
+    cfg = BCConfig(epochs=5, lr=1e-2, batch_size=8, micro_batch_size=1, warmup_ratio=0.0)
+    curve = train(model, examples, cfg, lambda e: len(e[0]), lambda micro: bc_step(model, micro, tok.pad_token_id), "test")
+    assert len(curve) == 5 and curve[-1]["loss"] < curve[0]["loss"]
     params = dict(model.named_parameters())
     assert any(not torch.equal(params[n], v) for n, v in trainable.items() if "lora_B" in n)
     assert all(torch.equal(params[n], v) for n, v in frozen.items())

@@ -1,4 +1,4 @@
-"""Command line: `qevolve run STAGE` (what dvc.yaml calls), `qevolve summary`, `qevolve data`."""
+"""Command line: `qevolve run STAGE` (what dvc.yaml calls), `qevolve dvc-yaml`, `qevolve summary`, `qevolve data`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from qevolve import paths
+from qevolve import dvcfile, paths
 from qevolve.config import ConfigError, load_params
 from qevolve.stages import STAGES, run_stage
 
@@ -34,10 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run one pipeline stage in this workspace")
     run.add_argument("stage", choices=STAGES)
-    run.add_argument("--iteration", type=int, default=None, help="iteration of an iterated stage (evaluate@K)")
+    run.add_argument("--iteration", type=int, default=None, help="iteration of an iterated stage (collect@K, ..., evaluate@K)")
     run.add_argument("--params", type=Path, default=Path("params.yaml"))
     summary = sub.add_parser("summary", help="print the evaluation table")
     summary.add_argument("--params", type=Path, default=Path("params.yaml"))
+    gen = sub.add_parser("dvc-yaml", help="write dvc.yaml for params.yaml (after changing evolve.iterations)")
+    gen.add_argument("--params", type=Path, default=Path("params.yaml"))
     sub.add_parser("data", help="prepare ALFWorld's data folder (ALFWORLD_DATA) and print it")
     args = parser.parse_args(argv)
 
@@ -54,6 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "summary":
         print(summary_table(list(range(params.evolve.iterations + 1))))
         return 0
+    if args.command == "dvc-yaml":
+        changed = dvcfile.write(params, args.params.parent / "dvc.yaml")
+        print(f"dvc.yaml {'written' if changed else 'already up to date'} ({params.evolve.iterations} iterations)")
+        return 0
+    try:
+        dvcfile.check(params, args.params.parent / "dvc.yaml")
+    except RuntimeError as err:
+        print(err, file=sys.stderr)
+        return 2
     metrics = run_stage(args.stage, params, args.iteration)
     print(json.dumps(metrics, indent=2, default=str)[:2000])
     return 0

@@ -43,6 +43,9 @@ class EnvConfig(Section):
 class ExpertsConfig(Section):
     split: str = "train"
     """Split the expert demonstrations come from."""
+    kinds: list[Literal["handcoded", "walkthrough"]] = Field(default_factory=lambda: ["handcoded"], min_length=1)
+    """Experts that each demonstrate every chosen task: ALFWorld's `handcoded` expert searches the way a
+    person does; `walkthrough` follows the game's omniscient gold path."""
     num_tasks: int = Field(40, ge=0)
     """How many tasks to demonstrate (0 = every task of the split)."""
     max_steps: int = Field(60, gt=0)
@@ -90,23 +93,92 @@ class PromptConfig(Section):
     """Prepend one expert demonstration of the same task type to the instruction."""
 
 
-class PolicyConfig(Section):
+class TrainConfig(Section):
+    """Optimiser settings shared by the trainers (`bc`, `critic`, `policy`)."""
+
+    epochs: int = Field(8, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(8, gt=0)
+    """Trajectory windows per optimiser step (after gradient accumulation)."""
+    micro_batch_size: int = Field(4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    seed: int = 0
+
+
+class PolicyConfig(TrainConfig):
+    """How the policy acts, and how `policy@k` updates it."""
+
     action_mode: Literal["free", "admissible"] = "admissible"
     """`free`: generate the action as text; `admissible`: score the environment's valid actions."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature when collecting (evaluation is greedy)."""
     max_new_tokens: int = Field(32, gt=0)
+    algo: Literal["bppo", "awr"] = "bppo"
+    """`bppo`: clipped surrogate against the behaviour policy (Q-Evolve); `awr`: the ablation."""
+    epochs: int = Field(2, gt=0)
+    lr: float = Field(2e-4, gt=0)
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    """epsilon_low: the ratio may fall to 1 - clip_low (Q-Evolve clips asymmetrically, low > high)."""
+    clip_high: float = Field(0.1, gt=0)
+    """epsilon_high: the ratio may rise to 1 + clip_high."""
+    kl_coef: float = Field(0.05, ge=0)
+    """Weight of the KL penalty to the previous policy."""
+    awr_beta: float = Field(1.0, gt=0)
+    awr_max_weight: float = Field(20.0, gt=0)
 
 
-class BCConfig(Section):
-    epochs: int = Field(8, gt=0)
-    lr: float = Field(1e-3, gt=0)
+class CollectConfig(Section):
+    split: str = "train"
+    num_tasks: int = Field(16, ge=0)
+    """Train tasks the previous policy plays (0 = all)."""
+    samples_per_task: int = Field(2, gt=0)
+    """K: sampled episodes per task."""
     batch_size: int = Field(8, gt=0)
-    """Trajectories per optimiser step (after gradient accumulation)."""
-    micro_batch_size: int = Field(4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    seed: int = 1
+    """Seed of the task draw (iteration k adds k, so iterations see different tasks) and of sampling."""
+
+
+class RelabelConfig(Section):
+    """Auxiliary rewards (negative) for the three failure modes of a step; the first that applies counts."""
+
+    format_penalty: float = Field(0.1, ge=0)
+    """The output does not parse as an action."""
+    rejected_penalty: float = Field(0.1, ge=0)
+    """The environment rejected the action (ALFWorld: "Nothing happens.")."""
+    unchanged_penalty: float = Field(0.05, ge=0)
+    """The observation did not change (repetition)."""
+    max_expert: int = Field(0, ge=0)
+    """Expert trajectories in the hybrid dataset, drawn at random (0 = all)."""
     seed: int = 0
+
+
+class CriticConfig(TrainConfig):
+    epochs: int = Field(2, gt=0)
+    lr: float = Field(5e-4, gt=0)
+    gamma: float = Field(0.95, gt=0, le=1)
+    expectile: float = Field(0.7, gt=0, lt=1)
+    """tau of the expectile regression for V."""
+    target_rate: float = Field(0.05, gt=0, le=1)
+    """Polyak rate of the slow-moving target Q head after each optimiser step."""
+    weighted: bool = True
+    """Q-Evolve's per-step weights (`step_weights`); false = uniform (the ablation)."""
+    init_from_policy: bool = True
+    """Start the critic's own adapter as a copy of the policy's (its features already know the env)."""
+
+
+class AdvantageConfig(Section):
+    estimator: Literal["gae", "q_minus_v"] = "gae"
+    gamma: float = Field(0.95, gt=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    use_aux: bool = False
+    """Add the auxiliary rewards to the GAE rewards (the paper found this hurts)."""
+    normalize: bool = True
+    """Scale advantages to zero mean and unit variance over the dataset."""
+
+
+class BCConfig(TrainConfig):
+    pass
 
 
 class EvaluateConfig(Section):
@@ -140,6 +212,10 @@ class Params(Section):
     prompt: PromptConfig = PromptConfig()
     policy: PolicyConfig = PolicyConfig()
     bc: BCConfig = BCConfig()
+    collect: CollectConfig = CollectConfig()
+    relabel: RelabelConfig = RelabelConfig()
+    critic: CriticConfig = CriticConfig()
+    advantage: AdvantageConfig = AdvantageConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     mlflow: MlflowConfig = MlflowConfig()
     evolve: EvolveConfig = EvolveConfig()

@@ -19,5 +19,31 @@ def policy(iteration: int) -> Path:
     return BC if iteration == 0 else Path(f"models/policy@{iteration}")
 
 
+def collected(iteration: int) -> Path:
+    return Path(f"data/collect@{iteration}")
+
+
+def hybrid(iteration: int) -> Path:
+    return Path(f"data/relabel@{iteration}")
+
+
+def critic(iteration: int) -> Path:
+    return Path(f"models/critic@{iteration}")
+
+
+def advantages(iteration: int) -> Path:
+    return Path(f"data/advantage@{iteration}")
+
+
 def metrics(stage: str) -> Path:
     return METRICS / f"{stage}.json"
+
+
+def curve(stage: str) -> Path:
+    """Per-step training curve (or, for `advantage@k`, the histogram) of a stage, a DVC plot."""
+    return METRICS / f"{stage}_curve.json"
+
+
+def env_steps_before(iteration: int) -> Path:
+    """The metrics file holding the cumulative env-step count up to iteration k's policy."""
+    return metrics("experts") if iteration == 0 else metrics(f"collect@{iteration}")

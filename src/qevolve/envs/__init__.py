@@ -10,7 +10,8 @@ from qevolve.envs.base import Observation, Step, Task, TextEnv
 __all__ = ["Observation", "Step", "Task", "TextEnv", "make_env", "select_tasks"]
 
 
-def make_env(cfg: EnvConfig, expert: bool = False) -> TextEnv:
+def make_env(cfg: EnvConfig, expert: str | None = None) -> TextEnv:
+    """An environment; `expert` names the expert whose `expert_action` it answers (None: no expert)."""
     if cfg.name == "alfworld":
         from qevolve.envs.alfworld import AlfworldEnv
 

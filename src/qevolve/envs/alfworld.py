@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -29,6 +30,7 @@ TASK_TYPES = (
 )
 SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")
 REJECTED = "Nothing happens."
+EXPERTS = ("handcoded", "walkthrough")
 ARCHIVE_NAME = "json_2.1.1_all_splits.tar.xz"
 
 
@@ -114,12 +116,18 @@ def split_observation(feedback: str) -> tuple[str, str]:
 class AlfworldEnv:
     """One TextWorld environment, reused across games. Not thread-safe; one per worker."""
 
-    def __init__(self, data_dir: Path | str | None = None, expert: bool = True):
+    def __init__(self, data_dir: Path | str | None = None, expert: str | None = "handcoded"):
+        """`expert`: `handcoded` (searches as a person does), `walkthrough` (the game's omniscient gold path)
+        or None (no expert, for policy rollouts)."""
+        if expert not in EXPERTS + (None,):
+            raise ValueError(f"unknown ALFWorld expert {expert!r}; expected one of {EXPERTS}")
         self.root = Path(data_dir) if data_dir else ensure_alfworld_data()
-        self.with_expert = expert
+        self.expert = expert
         self._env = None
         self._state = None
         self._won = False
+        self._walkthrough: list[str] = []
+        self._t = 0
 
     def tasks(self, split: str) -> list[Task]:
         return list(list_tasks(str(self.root), split))
@@ -128,7 +136,7 @@ class AlfworldEnv:
         from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredExpert, AlfredExpertType, AlfredInfos
 
         wrappers = [AlfredDemangler(), AlfredInfos]
-        if self.with_expert:
+        if self.expert == "handcoded":
             wrappers.append(AlfredExpert(AlfredExpertType.HANDCODED))
         return wrappers
 
@@ -139,13 +147,16 @@ class AlfworldEnv:
         if not game.exists():
             raise AlfworldDataError(f"{game}: game file missing for task {task.id!r}")
         if self._env is None:
-            extras = ["gamefile"] + (["expert_plan"] if self.with_expert else [])
+            extras = ["gamefile"] + (["expert_plan"] if self.expert == "handcoded" else [])
             infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=extras)
             self._env = textworld.start(str(game), request_infos=infos, wrappers=self._wrappers())
         with contextlib.redirect_stdout(io.StringIO()):  # the PDDL planner prints its grounding log
             self._env.load(str(game))
             self._state = self._env.reset()
         self._won = False
+        self._t = 0
+        if self.expert == "walkthrough":
+            self._walkthrough = json.loads(game.read_text()).get("walkthrough") or []
         instruction, obs = split_observation(self._state.feedback)
         return Observation(instruction=instruction, text=obs, admissible=self._admissible())
 
@@ -159,9 +170,12 @@ class AlfworldEnv:
         won = bool(self._state["won"])
         reward = 1.0 if won and not self._won else 0.0
         self._won = won
+        self._t += 1
         return Step(observation=obs, reward=reward, done=bool(done) or won, won=won, valid=obs != REJECTED, admissible=self._admissible())
 
     def expert_action(self) -> str | None:
+        if self.expert == "walkthrough":
+            return self._walkthrough[self._t] if self._t < len(self._walkthrough) else None
         plan = self._state.get("extra.expert_plan") if self._state is not None else None
         return plan[0] if plan else None
 

@@ -121,25 +121,56 @@ class PromptBuilder:
         return ids
 
     def training_examples(self, instruction: str, observations: list[str], outputs: list[str]) -> list[tuple[list[int], list[int]]]:
-        """(ids, mask) windows covering every action of a trajectory; mask is 1 on action tokens only.
+        """(ids, mask) windows covering every action of a trajectory; mask is 1 on action tokens only."""
+        return [(w.ids, w.mask) for w in self.windows(instruction, observations[: len(outputs)], outputs)]
 
-        A trajectory that fits the budget is one window. A longer one is cut into windows that each start
-        with the first turn (as context) followed by consecutive later turns, as the policy sees them when
-        acting with a truncated history.
+    def windows(self, instruction: str, observations: list[str], outputs: list[str], lookahead: bool = False) -> list[Window]:
+        """Cut a trajectory into windows that fit the context budget, each step in exactly one window.
+
+        A trajectory that fits is one window. A longer one is cut into windows that each start with the
+        first turn (as context) followed by consecutive later turns, as the policy sees them when acting
+        with a truncated history. `observations` may hold one more entry than `outputs` (the state after
+        the last action, for a critic's bootstrap value); it becomes a final turn without an action.
+        `lookahead` appends to each window the next window's first observation (not trained), so every
+        step's next state is in its own window.
         """
-        turns = self.turns(instruction, observations[: len(outputs)], outputs)
+        turns = self.turns(instruction, observations, outputs)
         first = turns[0]
         budget = self.context_tokens - len(self.head_ids) - sum(map(len, first))
-        examples, i = [], 1
+        windows, i = [], 1
         while True:
-            ids = self.head_ids + first[0] + first[1]
-            mask = [0] * (len(self.head_ids) + len(first[0])) + [int(i == 1)] * len(first[1])
+            w = Window(list(self.head_ids), [0] * len(self.head_ids), [])
+            w.add(0, first, trained=i == 1)
             used = 0
             while i < len(turns) and (used == 0 or used + sum(map(len, turns[i])) <= budget):
-                user, assistant = turns[i]
-                ids, mask = ids + user + assistant, mask + [0] * len(user) + [1] * len(assistant)
-                used += len(user) + len(assistant)
+                w.add(i, turns[i], trained=True)
+                used += sum(map(len, turns[i]))
                 i += 1
-            examples.append((ids, mask))  # a single turn longer than the budget is kept whole
+            if lookahead and i < len(turns):
+                w.add(i, (turns[i][0], []), trained=False)
+                w.steps.append((i, len(w.ids) - 1, len(w.ids), len(w.ids)))
+            windows.append(w)  # a single turn longer than the budget is kept whole
             if i >= len(turns):
-                return examples
+                return windows
+
+
+@dataclass
+class Window:
+    """Token ids of consecutive turns, with where each trained step's observation and action sit."""
+
+    ids: list[int]
+    mask: list[int]
+    """1 on the action tokens of the steps this window trains."""
+    steps: list[tuple[int, int, int, int]]
+    """(step, obs_end, act_start, act_end): ids[obs_end] is the last token before step's action (where a
+    critic reads V(s)), ids[act_start:act_end] the action's tokens (Q(s, a) is read at act_end - 1). A final
+    observation without an action has act_start == act_end."""
+
+    def add(self, step: int, turn: tuple[list[int], list[int]], trained: bool) -> None:
+        user, assistant = turn
+        self.ids += user
+        obs_end = len(self.ids) - 1
+        self.ids += assistant
+        self.mask += [0] * len(user) + [int(trained)] * len(assistant)
+        if trained:
+            self.steps.append((step, obs_end, obs_end + 1, len(self.ids)))

@@ -9,30 +9,67 @@ from __future__ import annotations
 from qevolve import paths
 from qevolve.config import Params
 
-STAGES = ("experts", "base", "bc", "evaluate")
+STAGES = ("experts", "base", "bc", "evaluate", "collect", "relabel", "critic", "advantage", "policy")
+SETUP = ("experts", "base", "bc")
+"""Run once, before the loop."""
+ITERATION = ("collect", "relabel", "critic", "advantage", "policy", "evaluate")
+"""Run in this order in every Q-Evolve iteration k >= 1 (`evaluate@0` evaluates the BC policy)."""
 
 
 def stage_name(stage: str, iteration: int | None = None) -> str:
-    """The name dvc.yaml, Prefect and MLflow use: `bc`, `evaluate@0`, ..."""
+    """The name dvc.yaml, Prefect and MLflow use: `bc`, `evaluate@0`, `critic@2`, ..."""
     return stage if iteration is None else f"{stage}@{iteration}"
 
 
+def pipeline(iterations: int) -> list[tuple[str, int | None]]:
+    """(stage, iteration) in run order for an evolution of `iterations` Q-Evolve iterations."""
+    return [(s, None) for s in SETUP] + [("evaluate", 0)] + [(s, k) for k in range(1, iterations + 1) for s in ITERATION]
+
+
 def run_stage(stage: str, params: Params, iteration: int | None = None) -> dict:
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+    if stage in SETUP and iteration is not None:
+        raise ValueError(f"stage {stage!r} runs once, without --iteration")
+    k = iteration if iteration is not None else 0
+    if stage not in SETUP and stage != "evaluate" and k < 1:
+        raise ValueError(f"stage {stage!r} needs --iteration K with K >= 1")
+    name = stage_name(stage, iteration if stage not in SETUP else None)
+    out = paths.metrics(name)
     if stage == "experts":
         from qevolve.stages.experts import experts
 
-        return experts(params, paths.EXPERTS, paths.metrics("experts"))
+        return experts(params, paths.EXPERTS, out)
     if stage == "base":
         from qevolve.stages.base import base
 
-        return base(params, paths.EXPERTS, paths.BASE, paths.metrics("base"))
+        return base(params, paths.EXPERTS, paths.BASE, out)
     if stage == "bc":
         from qevolve.stages.bc import bc
 
-        return bc(params, paths.BASE, paths.EXPERTS, paths.BC, paths.metrics("bc"), paths.METRICS / "bc_curve.json")
+        return bc(params, paths.BASE, paths.EXPERTS, paths.BC, out, paths.curve("bc"))
     if stage == "evaluate":
         from qevolve.stages.evaluate import evaluate
 
-        k = iteration or 0
-        return evaluate(params, paths.BASE, paths.policy(k), paths.evaluation(k), paths.metrics(stage_name("evaluate", k)), k)
-    raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+        return evaluate(params, paths.BASE, paths.policy(k), paths.evaluation(k), out, k, paths.env_steps_before(k))
+    if stage == "collect":
+        from qevolve.stages.collect import collect
+
+        return collect(params, paths.BASE, paths.policy(k - 1), paths.collected(k), out, k, paths.env_steps_before(k - 1))
+    if stage == "relabel":
+        from qevolve.stages.relabel import relabel
+
+        return relabel(params, paths.EXPERTS, paths.collected(k), paths.hybrid(k), out)
+    if stage == "critic":
+        from qevolve.stages.critic import critic
+
+        return critic(params, paths.BASE, paths.policy(k - 1), paths.hybrid(k), paths.critic(k), out, paths.curve(name))
+    if stage == "advantage":
+        from qevolve.stages.advantage import advantage
+
+        return advantage(params, paths.BASE, paths.critic(k), paths.hybrid(k), paths.advantages(k), out, paths.curve(name))
+    from qevolve.stages.policy import policy
+
+    return policy(
+        params, paths.BASE, paths.policy(k - 1), paths.BC, paths.hybrid(k), paths.advantages(k), paths.policy(k), out, paths.curve(name)
+    )

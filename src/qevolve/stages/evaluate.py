@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -30,20 +31,23 @@ def episode_metrics(trajs: list[Trajectory]) -> dict:
     }
 
 
-def evaluate(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics_path: Path, iteration: int) -> dict:
+def evaluate(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics_path: Path, iteration: int, env_steps_path: Path) -> dict:
+    """Greedy episodes on each configured split. `env_steps_path` is the metrics file with the cumulative
+    env steps spent to train this policy (experts, then every collect), reported beside each split."""
     cfg = params.evaluate
     torch.manual_seed(cfg.seed)
     model, tok = load_policy(base_dir, params.model, adapter=policy_dir)
     actor = Actor(model, tok, make_builder(params, tok, policy_dir), params.policy.action_mode, params.policy.temperature, params.policy.max_new_tokens)
     lister = make_env(params.env)
     all_trajs, metrics = [], {}
+    spent = json.loads(Path(env_steps_path).read_text())["cumulative_env_steps"]
     for split, count in cfg.splits.items():
         tasks = select_tasks(lister, split, params.env, count, cfg.seed)
         trajs = play(
             lambda: make_env(params.env), tasks, actor, max_steps=params.env.max_steps, greedy=True,
             source=f"policy@{iteration}", batch_size=cfg.batch_size, seed=cfg.seed, desc=f"evaluate {split}",
         )
-        metrics[split] = episode_metrics(trajs)
+        metrics[split] = {**episode_metrics(trajs), "cumulative_env_steps": spent}
         all_trajs += trajs
     write_store(out, all_trajs)
     write_json(metrics_path, metrics)

@@ -14,12 +14,13 @@ from qevolve.data.store import StepRecord, Trajectory, write_store
 from qevolve.envs import Task, make_env, select_tasks
 from qevolve.models.prompt import format_action
 
-_worker_env = None
+_worker_params: Params | None = None
+_worker_envs: dict[str, object] = {}
 
 
 def _init_worker(params: Params) -> None:
-    global _worker_env
-    _worker_env = make_env(params.env, expert=True)
+    global _worker_params
+    _worker_params = params
 
 
 def demonstrate(env, task: Task, max_steps: int) -> Trajectory:
@@ -48,16 +49,18 @@ def demonstrate(env, task: Task, max_steps: int) -> Trajectory:
     return traj
 
 
-def _demonstrate_in_worker(args: tuple[Task, int]) -> Trajectory:
-    return demonstrate(_worker_env, *args)
+def _demonstrate_in_worker(args: tuple[str, Task, int]) -> Trajectory:
+    kind, task, max_steps = args
+    if kind not in _worker_envs:  # one environment per expert kind, reused across tasks
+        _worker_envs[kind] = make_env(_worker_params.env, expert=kind)
+    return demonstrate(_worker_envs[kind], task, max_steps)
 
 
 def experts(params: Params, out: Path, metrics_path: Path) -> dict:
     """Write the won expert demonstrations to the store at `out`; return and write metrics."""
     cfg = params.experts
-    probe = make_env(params.env, expert=True)
-    tasks = select_tasks(probe, cfg.split, params.env, cfg.num_tasks, cfg.seed)
-    jobs = [(t, cfg.max_steps) for t in tasks]
+    tasks = select_tasks(make_env(params.env), cfg.split, params.env, cfg.num_tasks, cfg.seed)
+    jobs = [(kind, t, cfg.max_steps) for kind in cfg.kinds for t in tasks]
     with mp.get_context("spawn").Pool(min(cfg.workers, len(jobs)), _init_worker, (params,)) as pool:
         trajs = list(tqdm(pool.imap(_demonstrate_in_worker, jobs), total=len(jobs), desc="experts", unit="ep"))
     won = [t for t in trajs if t.won]
@@ -67,7 +70,9 @@ def experts(params: Params, out: Path, metrics_path: Path) -> dict:
         "won": len(won),
         "success_rate": len(won) / max(len(trajs), 1),
         "mean_steps": sum(len(t.steps) for t in won) / max(len(won), 1),
-        "failures": {t.task_id: t.failure for t in trajs if not t.won},
+        # every step the experts took, failed episodes included: sample efficiency counts from here
+        "cumulative_env_steps": sum(len(t.steps) for t in trajs),
+        "failures": {f"{kind}:{t.task_id}": t.failure for (kind, *_), t in zip(jobs, trajs) if not t.won},
     }
     write_json(metrics_path, metrics)
     return metrics

@@ -1,0 +1,87 @@
+"""The offline-RL maths of Q-Evolve (arXiv 2606.07367): pure torch, no I/O, no models.
+
+1-D tensors are per trajectory (index t = step). The critic, advantage and policy stages call these.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def expectile_loss(diff: torch.Tensor, tau: float) -> torch.Tensor:
+    """Mean of |tau - 1[diff < 0]| * diff**2 (IQL's asymmetric L2; tau > 0.5 fits an upper expectile).
+
+    `diff` is target minus prediction, e.g. Q(s,a) - V(s) when fitting V."""
+    return weighted_expectile(diff, tau).mean()
+
+
+def weighted_expectile(diff: torch.Tensor, tau: float) -> torch.Tensor:
+    """The elementwise terms of `expectile_loss`, for callers that weight them."""
+    weight = torch.where(diff < 0, 1.0 - tau, tau)
+    return weight * diff.pow(2)
+
+
+def step_weights(T: int, success: bool, progress: float = 0.5, floor: float = 0.5) -> torch.Tensor:
+    """Per-step IQL weights w_t = progress * (t/T + d) + floor for t = 1..T, with d = 1 on success.
+
+    Q-Evolve weights its critic's losses so that steps of successful trajectories (d = 1) and steps near
+    the end of a trajectory (t/T close to 1) count more. Late steps carry the clearest evidence of whether
+    the episode is being won, and successful trajectories are rare early in self-evolution, so an
+    unweighted critic is dominated by long failed episodes; the paper's ablation ("unweighted IQL",
+    87.9/86.6 -> 83.6/76.1 on ALFWorld seen/unseen) shows the loss. The default (0.5, 0.5) gives weights
+    in (0.5, 1] for a failure and (1, 1.5] for a success. `progress = 0` with `floor = 1` is uniform.
+    """
+    if T < 1:
+        raise ValueError(f"step_weights: T must be >= 1, got {T}")
+    t = torch.arange(1, T + 1, dtype=torch.float32)
+    return progress * (t / T + float(success)) + floor
+
+
+def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> torch.Tensor:
+    """Generalised advantage estimates A_t = sum_l (gamma*lam)^l delta_{t+l}, delta_t = r_t + gamma V_{t+1} - V_t.
+
+    rewards: T entries; values: T+1 entries, the last being the bootstrap value (0 after a terminal step).
+    """
+    T = rewards.shape[0]
+    if values.shape[0] != T + 1:
+        raise ValueError(f"gae_advantages: values needs T+1 = {T + 1} entries, got {values.shape[0]}")
+    deltas = rewards + gamma * values[1:] - values[:-1]
+    out = torch.empty_like(deltas)
+    running = torch.zeros((), dtype=deltas.dtype)
+    for t in range(T - 1, -1, -1):
+        running = deltas[t] + gamma * lam * running
+        out[t] = running
+    return out
+
+
+def bppo_loss(
+    logp_new: torch.Tensor, logp_behavior: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> torch.Tensor:
+    """Negative mean of min(ratio*A, clip(ratio, 1-clip_low, 1+clip_high)*A), ratio = exp(logp_new - logp_behavior).
+
+    PPO's clipped surrogate with the behaviour policy as the reference (BPPO). Asymmetric clipping,
+    clip_low > clip_high, lets a negative advantage push an action's probability down further than a
+    positive one can pull it up."""
+    ratio = torch.exp(logp_new - logp_behavior)
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return -torch.minimum(ratio * advantages, clipped * advantages).mean()
+
+
+def clip_fraction(logp_new: torch.Tensor, logp_behavior: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+    """Share of samples whose ratio lies outside [1-clip_low, 1+clip_high]."""
+    ratio = torch.exp(logp_new - logp_behavior)
+    return ((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)).float().mean()
+
+
+def awr_loss(logp_new: torch.Tensor, advantages: torch.Tensor, beta: float, max_weight: float) -> torch.Tensor:
+    """Advantage-weighted regression: -mean(min(exp(A/beta), max_weight) * logp_new). Weights are > 0,
+    so AWR can only pull probability towards actions, never push it away (the ablation to BPPO)."""
+    weights = torch.exp(advantages / beta).clamp(max=max_weight)
+    return -(weights.detach() * logp_new).mean()
+
+
+def kl_to_reference(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    """Mean of the non-negative estimator exp(d) - 1 - d of KL(new || ref), d = logp_ref - logp_new,
+    over tokens sampled from the data (Schulman's k3)."""
+    d = logp_ref - logp_new
+    return (torch.exp(d) - 1.0 - d).mean()

@@ -1,0 +1,49 @@
+"""`collect@k`: the previous policy's own rollouts on train tasks, K sampled episodes per task."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from qevolve.config import Params
+from qevolve.data.atomic import write_json
+from qevolve.data.store import write_store
+from qevolve.envs import make_env, select_tasks
+from qevolve.models.policy import Actor, load_policy
+from qevolve.stages.bc import make_builder
+from qevolve.stages.rollout import play
+
+
+def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics_path: Path, iteration: int, previous_metrics: Path) -> dict:
+    """Sample episodes with temperature `policy.temperature`, recording each action's behaviour log-prob.
+
+    `previous_metrics` (the experts' metrics for k = 1, else collect@k-1's) carries the cumulative env-step
+    count so far."""
+    cfg = params.collect
+    torch.manual_seed(cfg.seed + iteration)
+    model, tok = load_policy(base_dir, params.model, adapter=policy_dir)
+    actor = Actor(model, tok, make_builder(params, tok, policy_dir), params.policy.action_mode, params.policy.temperature, params.policy.max_new_tokens)
+    tasks = select_tasks(make_env(params.env), cfg.split, params.env, cfg.num_tasks, cfg.seed + iteration)
+    trajs = play(
+        lambda: make_env(params.env), [t for t in tasks for _ in range(cfg.samples_per_task)], actor,
+        max_steps=params.env.max_steps, greedy=False, source=f"policy@{iteration - 1}", batch_size=cfg.batch_size,
+        seed=cfg.seed + iteration, desc=f"collect@{iteration}",
+    )
+    write_store(out, trajs)
+    env_steps = sum(len(t.steps) for t in trajs)
+    before = json.loads(Path(previous_metrics).read_text())
+    tokens = sum(s.prompt_tokens + s.output_tokens for t in trajs for s in t.steps)
+    metrics = {
+        "episodes": len(trajs),
+        "tasks": len(tasks),
+        "success_rate": sum(t.won for t in trajs) / max(len(trajs), 1),
+        "env_steps": env_steps,
+        "cumulative_env_steps": before["cumulative_env_steps"] + env_steps,
+        "tokens": tokens,
+        "cumulative_tokens": before.get("cumulative_tokens", 0) + tokens,
+        "invalid_rate": sum(not s.valid for t in trajs for s in t.steps) / max(env_steps, 1),
+    }
+    write_json(metrics_path, metrics)
+    return metrics

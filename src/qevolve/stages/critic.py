@@ -1,0 +1,174 @@
+"""`critic@k`: weighted IQL on the hybrid dataset (expert + self trajectories, auxiliary rewards included).
+
+V(s) is fitted by expectile regression towards the slow target Q; Q(s, a) by TD regression towards
+r + aux + gamma * V(s'); both weighted per step by `step_weights` (Q-Evolve's weighted IQL).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qevolve.algos.rl import step_weights, weighted_expectile
+from qevolve.config import Params
+from qevolve.data.atomic import atomic_dir, write_json
+from qevolve.data.store import Trajectory, read_store
+from qevolve.models.critic import Critic, load_critic
+from qevolve.models.policy import load_policy
+from qevolve.models.prompt import PromptBuilder, Window
+from qevolve.stages.bc import PROMPT_FILE, make_builder
+from qevolve.stages.training import last_epoch_mean, pad_ids, train
+
+
+@dataclass
+class CriticItem:
+    """One window of one trajectory, with the per-step quantities the critic's losses need."""
+
+    traj: int
+    """Index of the trajectory in the dataset."""
+    window: Window
+    rewards: torch.Tensor
+    """Per step of the trajectory: environment reward plus auxiliary reward."""
+    weights: torch.Tensor
+    done: bool
+    """Whether the trajectory ended in a terminal state (no bootstrap after its last step)."""
+
+
+def trajectory_windows(builder: PromptBuilder, t: Trajectory) -> list[Window]:
+    """Windows over all steps plus the final observation, each with its next state (see `windows`)."""
+    observations = [s.observation for s in t.steps] + [t.steps[-1].next_observation]
+    return builder.windows(t.instruction, observations, [s.output for s in t.steps], lookahead=True)
+
+
+def critic_items(builder: PromptBuilder, trajs: list[Trajectory], weighted: bool, use_aux: bool = True) -> list[CriticItem]:
+    items = []
+    for i, t in enumerate(trajs):
+        if not t.steps:
+            continue
+        rewards = torch.tensor([s.reward + (s.aux_reward if use_aux else 0.0) for s in t.steps])
+        T = len(t.steps)
+        weights = step_weights(T, t.won) if weighted else torch.ones(T)
+        # A window holding only the final observation adds nothing: the previous window's lookahead has it.
+        windows = [w for w in trajectory_windows(builder, t) if any(b > a for _, _, a, b in w.steps)]
+        items += [CriticItem(i, w, rewards, weights, t.steps[-1].done) for w in windows]
+    return items
+
+
+def read_positions(item: CriticItem) -> dict[int, tuple[int, int]]:
+    """step -> (position of V(s_step), position of Q(s_step, a_step), or -1 for a state without action)."""
+    return {step: (obs_end, act_end - 1 if act_end > act_start else -1) for step, obs_end, act_start, act_end in item.window.steps}
+
+
+def critic_step(critic: Critic, micro: list[list[CriticItem]], gamma: float, tau: float, pad_id: int) -> dict:
+    """Weighted expectile loss for V plus weighted TD loss for Q, over every step of the micro-batches."""
+    n_weight = sum(float(it.weights[s]) for mb in micro for it in mb for s, (_, q) in read_positions(it).items() if q >= 0)
+    sums = {"loss": 0.0, "v_loss": 0.0, "q_loss": 0.0}
+    for mb in micro:
+        ids, attn = pad_ids([it.window.ids for it in mb], pad_id)
+        v, q, q_target = critic(ids, attn)
+        rows, v_pos, q_pos, next_pos, r, notdone, w = [], [], [], [], [], [], []
+        for b, it in enumerate(mb):
+            pos = read_positions(it)
+            T = len(it.rewards)
+            for step, (vp, qp) in pos.items():
+                if qp < 0:
+                    continue
+                rows.append(b)
+                v_pos.append(vp)
+                q_pos.append(qp)
+                next_pos.append(pos[step + 1][0])
+                r.append(float(it.rewards[step]))
+                notdone.append(0.0 if (step == T - 1 and it.done) else 1.0)
+                w.append(float(it.weights[step]))
+        rows_t, q_pos_t = torch.tensor(rows, dtype=torch.long), torch.tensor(q_pos, dtype=torch.long)
+        v_s = v[rows_t, torch.tensor(v_pos, dtype=torch.long)]
+        q_sa = q[rows_t, q_pos_t]
+        q_tgt = q_target[rows_t, q_pos_t].detach()
+        v_next = v[rows_t, torch.tensor(next_pos, dtype=torch.long)].detach()
+        w_t = torch.tensor(w)
+        td_target = torch.tensor(r) + gamma * torch.tensor(notdone) * v_next
+        v_loss = (w_t * weighted_expectile(q_tgt - v_s, tau)).sum() / n_weight
+        q_loss = (w_t * (td_target - q_sa).pow(2)).sum() / n_weight
+        (v_loss + q_loss).backward()
+        sums["v_loss"] += v_loss.item()
+        sums["q_loss"] += q_loss.item()
+        sums["loss"] += v_loss.item() + q_loss.item()
+    return sums
+
+
+@torch.no_grad()
+def critic_values(critic: Critic, items: list[CriticItem], pad_id: int, batch_size: int) -> dict[int, dict[int, tuple[float, float]]]:
+    """trajectory index -> step -> (V(s_step), Q(s_step, a_step) or NaN), read in each step's own window."""
+    critic.eval()
+    out: dict[int, dict[int, tuple[float, float]]] = {}
+    for i in range(0, len(items), batch_size):
+        mb = items[i : i + batch_size]
+        ids, attn = pad_ids([it.window.ids for it in mb], pad_id)
+        v, q, _ = critic(ids, attn)
+        for b, it in enumerate(mb):
+            values = out.setdefault(it.traj, {})
+            for step, (vp, qp) in read_positions(it).items():
+                if qp >= 0 or step not in values:  # a lookahead state is read in its own window when it has one
+                    values[step] = (float(v[b, vp]), float(q[b, qp]) if qp >= 0 else float("nan"))
+    return out
+
+
+def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, out: Path, metrics_path: Path, curve_path: Path) -> dict:
+    cfg = params.critic
+    torch.manual_seed(cfg.seed)
+    trajs = read_store(data_dir)
+    if cfg.init_from_policy:
+        model, tok = load_critic(base_dir, params.model, policy_dir, trainable=True)
+    else:
+        lm, tok = load_policy(base_dir, params.model)
+        model = Critic(lm)
+    builder = make_builder(params, tok, policy_dir)
+    items = critic_items(builder, trajs, cfg.weighted)
+    start = time.perf_counter()
+    curve = train(
+        model, items, cfg, lambda it: len(it.window.ids),
+        lambda micro: critic_step(model, micro, cfg.gamma, cfg.expectile, tok.pad_token_id),
+        "critic", after_step=lambda: model.update_target(cfg.target_rate),
+    )
+    elapsed = time.perf_counter() - start
+    values = critic_values(model, items, tok.pad_token_id, cfg.micro_batch_size)
+    with atomic_dir(out) as tmp:
+        model.save(tmp)
+        (tmp / PROMPT_FILE).write_text((policy_dir / PROMPT_FILE).read_text())
+    metrics = {
+        "loss": last_epoch_mean(curve, "loss"),
+        "v_loss": last_epoch_mean(curve, "v_loss"),
+        "q_loss": last_epoch_mean(curve, "q_loss"),
+        "first_loss": curve[0]["loss"],
+        "windows": len(items),
+        "trajectories": len(trajs),
+        "train_seconds": elapsed,
+        **value_stats(trajs, values),
+    }
+    write_json(metrics_path, metrics)
+    write_json(curve_path, curve)
+    return metrics
+
+
+def value_stats(trajs: list[Trajectory], values: dict[int, dict[int, tuple[float, float]]]) -> dict:
+    """Mean V over the steps of won and of lost trajectories, and overall V and Q statistics."""
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    v_won, v_lost, qs = [], [], []
+    for i, t in enumerate(trajs):
+        for step in range(len(t.steps)):
+            v, q = values.get(i, {}).get(step, (float("nan"), float("nan")))
+            (v_won if t.won else v_lost).append(v)
+            qs.append(q)
+    vs = v_won + v_lost
+    return {
+        "v_mean": mean(vs),
+        "v_std": float(torch.tensor(vs).std()) if len(vs) > 1 else 0.0,
+        "v_mean_won": mean(v_won),
+        "v_mean_lost": mean(v_lost),
+        "q_mean": mean(qs),
+    }

@@ -1,0 +1,104 @@
+"""The Q-Evolve maths against values worked out by hand (the arithmetic is in the comments)."""
+
+import math
+
+import pytest
+import torch
+
+from qevolve.algos.rl import awr_loss, bppo_loss, clip_fraction, expectile_loss, gae_advantages, kl_to_reference, step_weights
+
+
+def close(a, b, tol=1e-6):
+    return torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=tol)
+
+
+def test_expectile_loss():
+    # tau = 0.7: positive diff 1 weighs 0.7 * 1; negative diff -2 weighs 0.3 * 4 = 1.2; mean 0.95.
+    assert close(expectile_loss(torch.tensor([1.0, -2.0]), 0.7), 0.95)
+    # tau = 0.5 is half the squared error; zero diff costs nothing.
+    assert close(expectile_loss(torch.tensor([2.0, 0.0]), 0.5), (0.5 * 4 + 0) / 2)
+    # Single element.
+    assert close(expectile_loss(torch.tensor([-1.0]), 0.9), 0.1)
+
+
+def test_step_weights():
+    # t/T = .25 .5 .75 1; success: 0.5*(t/T + 1) + 0.5; failure: 0.5*t/T + 0.5.
+    assert close(step_weights(4, True), [1.125, 1.25, 1.375, 1.5])
+    assert close(step_weights(4, False), [0.625, 0.75, 0.875, 1.0])
+    # T = 1: the only step is the last one.
+    assert close(step_weights(1, True), [1.5])
+    assert close(step_weights(1, False), [1.0])
+    # Uniform weighting for the ablation.
+    assert close(step_weights(3, True, progress=0.0, floor=1.0), [1.0, 1.0, 1.0])
+    with pytest.raises(ValueError):
+        step_weights(0, True)
+
+
+def test_gae_advantages():
+    # gamma .9, lam .8 (gamma*lam = .72); values end with a terminal bootstrap of 0.
+    # deltas: 0 + .9*.6 - .5 = .04; 0 + .9*.8 - .6 = .12; 1 + .9*0 - .8 = .2
+    # A2 = .2; A1 = .12 + .72*.2 = .264; A0 = .04 + .72*.264 = .23008
+    adv = gae_advantages(torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.5, 0.6, 0.8, 0.0]), 0.9, 0.8)
+    assert close(adv, [0.23008, 0.264, 0.2])
+
+
+def test_gae_edge_cases():
+    # T = 1, terminal: A = r - V.
+    assert close(gae_advantages(torch.tensor([1.0]), torch.tensor([0.3, 0.0]), 0.9, 0.95), [0.7])
+    # All-zero rewards and values: all-zero advantages.
+    assert close(gae_advantages(torch.zeros(4), torch.zeros(5), 0.99, 0.95), torch.zeros(4))
+    # All-zero rewards, non-terminal bootstrap .5: A = .9*.5 - .2 = .25.
+    assert close(gae_advantages(torch.tensor([0.0]), torch.tensor([0.2, 0.5]), 0.9, 0.95), [0.25])
+    # lam = 1 gives the discounted return minus V: returns 0.81, 0.9, 1 minus V .1 .2 .3.
+    adv = gae_advantages(torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.1, 0.2, 0.3, 0.0]), 0.9, 1.0)
+    assert close(adv, [0.71, 0.7, 0.7])
+    with pytest.raises(ValueError):
+        gae_advantages(torch.zeros(3), torch.zeros(3), 0.9, 0.9)
+
+
+def test_bppo_loss_clips_on_both_sides():
+    # clip_low .2, clip_high .1 -> ratios are clipped into [0.8, 1.1].
+    ratio = torch.tensor([1.5, 1.5, 0.5, 0.5, 1.0])
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 2.0])
+    # min(r*A, clip(r)*A): min(1.5, 1.1)=1.1; min(-1.5,-1.1)=-1.5; min(.5,.8)=.5; min(-.5,-.8)=-.8; 2
+    # mean = (1.1 - 1.5 + .5 - .8 + 2) / 5 = .26 -> loss -.26
+    logp_b = torch.tensor([-1.0, -2.0, -0.5, -3.0, -1.2])
+    logp_new = (logp_b + ratio.log()).requires_grad_()
+    loss = bppo_loss(logp_new, logp_b, adv, 0.2, 0.1)
+    assert close(loss, -0.26)
+    loss.backward()
+    # d/dlogp of -r*A/5 where the unclipped branch is the min, 0 where the clipped constant is:
+    # 0; -(1.5 * -1)/5 = .3; -(.5 * 1)/5 = -.1; 0; -(1 * 2)/5 = -.4
+    assert close(logp_new.grad, [0.0, 0.3, -0.1, 0.0, -0.4], 1e-5)
+    assert close(clip_fraction(logp_new.detach(), logp_b, 0.2, 0.1), 0.8)
+
+
+def test_bppo_at_ratio_one_is_minus_mean_advantage():
+    adv = torch.tensor([0.5, -1.5, 2.0])
+    lp = torch.tensor([-1.0, -2.0, -3.0])
+    assert close(bppo_loss(lp, lp, adv, 0.2, 0.1), -1.0 / 3)
+
+
+def test_awr_loss():
+    # beta 1: weights exp(0)=1, exp(ln 2)=2; -mean(1*-1, 2*-2) = 2.5; capped at 1.5: -mean(-1, -3) = 2.
+    adv, lp = torch.tensor([0.0, math.log(2)]), torch.tensor([-1.0, -2.0])
+    assert close(awr_loss(lp, adv, 1.0, 10.0), 2.5)
+    assert close(awr_loss(lp, adv, 1.0, 1.5), 2.0)
+
+
+def test_kl_to_reference():
+    lp = torch.tensor([-1.0, -2.0])
+    assert close(kl_to_reference(lp, lp), 0.0)
+    # d = ln 2: e^d - 1 - d = 1 - ln 2.
+    assert close(kl_to_reference(torch.tensor([-math.log(2)]), torch.tensor([0.0])), 1 - math.log(2))
+
+
+def test_relabel_rules_first_match_wins():
+    from qevolve.algos.relabel import relabel_step
+    from qevolve.config import RelabelConfig
+
+    cfg = RelabelConfig(format_penalty=0.3, rejected_penalty=0.2, unchanged_penalty=0.1)
+    assert relabel_step(None, False, "a", "a", cfg) == (-0.3, "format")
+    assert relabel_step("open door", False, "a", "Nothing happens.", cfg) == (-0.2, "rejected")
+    assert relabel_step("look", True, "You are in a room.", "You are in  a room.\n", cfg) == (-0.1, "unchanged")
+    assert relabel_step("go to desk 1", True, "a", "You arrive at desk 1.", cfg) == (0.0, "")
