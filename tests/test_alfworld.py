@@ -1,3 +1,5 @@
+import pytest
+
 from qevolve.envs.alfworld import AlfworldEnv, split_observation
 from qevolve.envs import select_tasks
 from qevolve.config import EnvConfig
@@ -37,3 +39,14 @@ def test_rejected_action_and_handcoded_expert_wins(alfworld_data):
     assert traj.won and traj.reward == 1.0 and traj.steps[-1].won
     assert all(s.valid for s in traj.steps[1:])
     assert any(s.action.startswith(("open ", "go to ")) for s in traj.steps)
+
+
+def test_walkthrough_expert_follows_the_gold_path(alfworld_data):
+    env = AlfworldEnv(alfworld_data, expert="walkthrough")
+    task = next(t for t in env.tasks("valid_seen") if t.type == "pick_and_place_simple")
+    traj = demonstrate(env, task, max_steps=60)
+    assert traj.won and len(traj.steps) <= 8 and traj.steps[0].action.startswith("go to ")
+    assert env.expert_action() is None  # the path is used up
+    env.close()
+    with pytest.raises(ValueError, match="unknown ALFWorld expert"):
+        AlfworldEnv(alfworld_data, expert="planner")

@@ -16,7 +16,7 @@ DVC = str(Path(sys.executable).with_name("dvc"))  # the venv's dvc, whether or n
 
 TINY = {
     "env": {"max_steps": 6},
-    "experts": {"num_tasks": 3, "workers": 2},
+    "experts": {"demos": {"handcoded": 2, "walkthrough": 3}, "workers": 2},
     "model": {"embedded": {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab_size": 400}, "context_tokens": 256, "lora": {"r": 8, "alpha": 16}},
     "bc": {"epochs": 2, "batch_size": 4},
     "evaluate": {"splits": {"valid_seen": 2, "valid_unseen": 1}, "batch_size": 3},

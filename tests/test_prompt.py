@@ -63,3 +63,26 @@ def test_long_trajectory_becomes_windows_covering_every_action_once(tiny_tokeniz
     targets = "".join(tiny_tokenizer.decode([t for t, m in zip(ids, mask) if m]) for ids, mask in examples)
     assert targets == "".join(a + "<|end|>\n" for a in acts)
     assert all(len(ids) <= 400 for ids, _ in examples)
+
+
+def test_windows_locate_each_step_and_its_next_state(tiny_tokenizer):
+    b = PromptBuilder(tiny_tokenizer, context_tokens=90)
+    instr, obs, acts = _episode(5)
+    windows = b.windows(instr, obs, acts, lookahead=True)  # obs has one more entry: the final state
+    assert len(windows) > 1
+    trained = [s for w in windows for s, _, a, e in w.steps if e > a]
+    assert trained == list(range(5))  # every action in exactly one window, in order
+    for w in windows:
+        have = {s for s, *_ in w.steps}
+        for step, obs_end, a, e in w.steps:
+            # V is read right before the action: the last token of the assistant prompt.
+            assert tiny_tokenizer.decode(w.ids[: obs_end + 1]).endswith("<|assistant|>\n")
+            if e > a:
+                assert tiny_tokenizer.decode(w.ids[a:e]) == f"{acts[step]}<|end|>\n"
+                assert step + 1 in have and all(w.mask[a:e]) and sum(w.mask) >= e - a
+
+
+def test_repeat_task_follows_every_observation(tiny_tokenizer):
+    instr, obs, acts = _episode(2)
+    text = tiny_tokenizer.decode(PromptBuilder(tiny_tokenizer, 10_000, repeat_task=True).prompt(instr, obs, acts))
+    assert text.count(f"Your task is to: {instr}") == 3

@@ -43,17 +43,24 @@ class EnvConfig(Section):
 class ExpertsConfig(Section):
     split: str = "train"
     """Split the expert demonstrations come from."""
-    kinds: list[Literal["handcoded", "walkthrough"]] = Field(default_factory=lambda: ["handcoded"], min_length=1)
-    """Experts that each demonstrate every chosen task: ALFWorld's `handcoded` expert searches the way a
-    person does; `walkthrough` follows the game's omniscient gold path."""
-    num_tasks: int = Field(40, ge=0)
-    """How many tasks to demonstrate (0 = every task of the split)."""
+    demos: dict[Literal["handcoded", "walkthrough"], int] = Field(default_factory=lambda: {"handcoded": 40}, min_length=1)
+    """Expert -> how many train tasks it demonstrates. ALFWorld's `handcoded` expert searches the way a
+    person does; `walkthrough` follows the game's omniscient gold path. The tasks are drawn once (with
+    `seed`) and each expert takes the first n of that draw, so a smaller set is part of a larger one."""
     max_steps: int = Field(60, gt=0)
     """Step cap for the expert; episodes it does not win are dropped and counted."""
     workers: int = Field(2, gt=0)
     """Environment worker processes."""
     seed: int = 0
     """Seed of the task subset draw."""
+
+
+    @field_validator("demos")
+    @classmethod
+    def _positive(cls, v: dict[str, int]) -> dict[str, int]:
+        if any(n <= 0 for n in v.values()):
+            raise ValueError("expected a count > 0 for each expert")
+        return v
 
 
 class EmbeddedModelConfig(Section):
@@ -90,6 +97,9 @@ class ModelConfig(Section):
 
 class PromptConfig(Section):
     one_shot: bool = False
+    repeat_task: bool = False
+    """Repeat the task after every observation, not only the first: a small model trained from scratch
+    then matches the goal object against what it sees in a few tokens rather than across the history."""
     """Prepend one expert demonstration of the same task type to the instruction."""
 
 

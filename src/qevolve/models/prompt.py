@@ -68,11 +68,12 @@ def _common_suffix(a: str, b: str) -> str:
 class PromptBuilder:
     """Turns (instruction, observations, actions) into token ids, with a mask over action tokens."""
 
-    def __init__(self, tokenizer, context_tokens: int, one_shot: str = ""):
+    def __init__(self, tokenizer, context_tokens: int, one_shot: str = "", repeat_task: bool = False):
         self.tok = tokenizer
         self.fmt = ChatFormat.from_tokenizer(tokenizer)
         self.context_tokens = context_tokens
         self.one_shot = one_shot
+        self.repeat_task = repeat_task
         self._enc = lambda s: tokenizer.encode(s, add_special_tokens=False) if s else []
         self.head_ids = self._enc(self.fmt.head)
         self.user_start_ids = self._enc(self.fmt.user_start)
@@ -92,7 +93,8 @@ class PromptBuilder:
 
     def turns(self, instruction: str, observations: list[str], outputs: list[str]) -> list[tuple[list[int], list[int]]]:
         """(user ids, assistant ids) per turn; the last turn's assistant ids are empty if not yet acted."""
-        users = [self.first_user_text(instruction, observations[0])] + observations[1:]
+        task = f"\n\nYour task is to: {instruction}" if self.repeat_task else ""
+        users = [self.first_user_text(instruction, observations[0])] + [o.strip() + task for o in observations[1:]]
         return [
             (self.user_turn(u), self.action_ids(outputs[i]) if i < len(outputs) else [])
             for i, u in enumerate(users)

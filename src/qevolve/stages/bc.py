@@ -30,7 +30,7 @@ def one_shot_text(trajs: list[Trajectory]) -> str:
 
 def make_builder(params: Params, tokenizer, policy_dir: Path) -> PromptBuilder:
     saved = json.loads((policy_dir / PROMPT_FILE).read_text())
-    return PromptBuilder(tokenizer, params.model.context_tokens, saved["one_shot"])
+    return PromptBuilder(tokenizer, params.model.context_tokens, saved["one_shot"], saved["repeat_task"])
 
 
 def build_examples(builder: PromptBuilder, trajs: list[Trajectory]) -> list[tuple[list[int], list[int]]]:
@@ -63,7 +63,7 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
         raise ValueError(f"{experts_dir}: no expert trajectories to clone")
     model, tok = load_policy(base_dir, params.model)
     one_shot = one_shot_text(trajs) if params.prompt.one_shot else ""
-    builder = PromptBuilder(tok, params.model.context_tokens, one_shot)
+    builder = PromptBuilder(tok, params.model.context_tokens, one_shot, params.prompt.repeat_task)
     examples = build_examples(builder, trajs)
     start = time.perf_counter()
     curve = train(model, examples, cfg, lambda e: len(e[0]), lambda micro: bc_step(model, micro, tok.pad_token_id), "bc")
@@ -71,7 +71,7 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
     tokens = cfg.epochs * sum(len(ids) for ids, _ in examples)
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)
-        (tmp / PROMPT_FILE).write_text(json.dumps({"one_shot": one_shot}) + "\n")
+        (tmp / PROMPT_FILE).write_text(json.dumps({"one_shot": one_shot, "repeat_task": params.prompt.repeat_task}) + "\n")
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),
         "first_loss": curve[0]["loss"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import random
 import uuid
 from pathlib import Path
 
@@ -59,14 +60,15 @@ def _demonstrate_in_worker(args: tuple[str, Task, int]) -> Trajectory:
 def experts(params: Params, out: Path, metrics_path: Path) -> dict:
     """Write the won expert demonstrations to the store at `out`; return and write metrics."""
     cfg = params.experts
-    tasks = select_tasks(make_env(params.env), cfg.split, params.env, cfg.num_tasks, cfg.seed)
-    jobs = [(kind, t, cfg.max_steps) for kind in cfg.kinds for t in tasks]
+    tasks = select_tasks(make_env(params.env), cfg.split, params.env, 0, cfg.seed)
+    tasks = random.Random(cfg.seed).sample(tasks, min(max(cfg.demos.values()), len(tasks)))
+    jobs = [(kind, t, cfg.max_steps) for kind, n in cfg.demos.items() for t in tasks[:n]]
     with mp.get_context("spawn").Pool(min(cfg.workers, len(jobs)), _init_worker, (params,)) as pool:
         trajs = list(tqdm(pool.imap(_demonstrate_in_worker, jobs), total=len(jobs), desc="experts", unit="ep"))
     won = [t for t in trajs if t.won]
     write_store(out, won)
     metrics = {
-        "tasks": len(trajs),
+        "episodes": len(trajs),
         "won": len(won),
         "success_rate": len(won) / max(len(trajs), 1),
         "mean_steps": sum(len(t.steps) for t in won) / max(len(won), 1),
