@@ -1,5 +1,6 @@
 """The critic and the policy update on a fixed tiny dataset (tiny model, no environment)."""
 
+import pytest
 import torch
 
 from qevolve.config import CriticConfig, ModelConfig, Params, PolicyConfig
@@ -58,7 +59,8 @@ def test_critic_windows_see_the_next_state(tiny_base):
         assert all(s + 1 in have for s in steps)
 
 
-def test_bppo_step_moves_probability_with_the_advantage_sign(tiny_base):
+@pytest.mark.parametrize("algo", ["bppo", "awr"])
+def test_policy_step_moves_probability_with_the_advantage(tiny_base, algo):
     torch.manual_seed(0)
     model, tok = load_policy(tiny_base, MODEL, trainable=True)
     builder = PromptBuilder(tok, 512)
@@ -69,12 +71,16 @@ def test_bppo_step_moves_probability_with_the_advantage_sign(tiny_base):
             items.append(PolicyItem(w, False, torch.full((n,), 1.0 if t.won else -1.0)))
     for it, ref in zip(items, reference_pass(model, items, tok.pad_token_id, 4)):
         it.reference, it.behavior = ref, torch.stack([r.sum() for r in ref])
-    params = Params(policy=PolicyConfig(epochs=4, lr=5e-3, batch_size=16, micro_batch_size=8, warmup_ratio=0.0, kl_coef=0.01))
+    params = Params(policy=PolicyConfig(algo=algo, epochs=4, lr=5e-3, batch_size=16, micro_batch_size=8, warmup_ratio=0.0, kl_coef=0.01))
     curve = train(model, items, params.policy, lambda it: len(it.window.ids), lambda mb: policy_step(model, mb, params, tok.pad_token_id), "test")
     assert abs(curve[0]["ratio"] - 1.0) < 1e-4 and curve[0]["clip_fraction"] == 0.0  # reference = start
     assert curve[-1]["kl"] > 0
     after = reference_pass(model, items, tok.pad_token_id, 4)
-    delta = [float(torch.stack([r.sum() for r in new]).sum() - it.behavior.sum()) for it, new in zip(items, after)]
+    # Mean change of an action's log-prob, per window.
+    delta = [float(torch.stack([r.sum() for r in new]).mean() - it.behavior.mean()) for it, new in zip(items, after)]
     won = [d for d, it in zip(delta, items) if it.advantages[0] > 0]
     lost = [d for d, it in zip(delta, items) if it.advantages[0] < 0]
-    assert sum(won) / len(won) > 0 > sum(lost) / len(lost)
+    if algo == "bppo":  # negative advantages push probability down
+        assert sum(won) / len(won) > 0 > sum(lost) / len(lost)
+    else:  # AWR weights are positive: it can only pull, more towards high-advantage actions
+        assert sum(won) / len(won) > sum(lost) / len(lost)
