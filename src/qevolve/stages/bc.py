@@ -6,7 +6,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
 
 from qevolve.algos.losses import masked_nll
 from qevolve.config import Params

@@ -43,12 +43,12 @@ def trajectory_windows(builder: PromptBuilder, t: Trajectory) -> list[Window]:
     return builder.windows(t.instruction, observations, [s.output for s in t.steps], lookahead=True)
 
 
-def critic_items(builder: PromptBuilder, trajs: list[Trajectory], weighted: bool, use_aux: bool = True) -> list[CriticItem]:
+def critic_items(builder: PromptBuilder, trajs: list[Trajectory], weighted: bool) -> list[CriticItem]:
     items = []
     for i, t in enumerate(trajs):
         if not t.steps:
             continue
-        rewards = torch.tensor([s.reward + (s.aux_reward if use_aux else 0.0) for s in t.steps])
+        rewards = torch.tensor([s.reward + s.aux_reward for s in t.steps])  # aux rewards enter the critic's targets
         T = len(t.steps)
         weights = step_weights(T, t.won) if weighted else torch.ones(T)
         # A window holding only the final observation adds nothing: the previous window's lookahead has it.
