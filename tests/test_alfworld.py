@@ -50,3 +50,24 @@ def test_walkthrough_expert_follows_the_gold_path(alfworld_data):
     env.close()
     with pytest.raises(ValueError, match="unknown ALFWorld expert"):
         AlfworldEnv(alfworld_data, expert="planner")
+
+
+def test_two_environments_on_the_same_game_stay_independent(alfworld_data):
+    """Resets share TextWorld's PDDL grounding through a cache; the games' states must not be shared."""
+    import fast_downward
+
+    walker, idler = AlfworldEnv(alfworld_data, expert="walkthrough"), AlfworldEnv(alfworld_data)
+    task = next(t for t in walker.tasks("valid_seen") if t.type == "pick_and_place_simple")
+    first = walker.reset(task)
+    assert idler.reset(task) == first and fast_downward.pddl2sas._qevolve_cached
+    path = []
+    while (action := walker.expert_action()) is not None:
+        path.append(action)
+        won = walker.step(action).won
+        assert not idler.step("look").won
+    assert won
+    # the same game again, served from the cache: the same start, and the same path wins again
+    assert walker.reset(task) == first
+    assert [walker.step(a).won for a in path][-1]
+    walker.close()
+    idler.close()

@@ -1,7 +1,8 @@
 import torch
 
 from qevolve.config import ModelConfig
-from qevolve.models.policy import Actor, load_policy, score_candidates
+from qevolve.models.backend import HFBackend
+from qevolve.models.policy import Actor, load_policy
 from qevolve.models.prompt import PromptBuilder
 from qevolve.config import BCConfig
 from qevolve.stages.bc import bc_step
@@ -16,7 +17,7 @@ def test_batched_candidate_scores_equal_one_sequence_at_a_time(tiny_base):
     enc = lambda s: tok.encode(s, add_special_tokens=False)
     prompts = [enc("You arrive at desk 1. On the desk 1, you see a book 1."), enc("Nothing happens.")]
     cands = [[enc("Action: take book 1"), enc("Action: go to cabinet 1"), enc("Action: look")], [enc("Action: look")]]
-    scores = score_candidates(model, prompts, cands, tok.pad_token_id)
+    scores = HFBackend(model, tok.pad_token_id, reuse=False).score([0, 1], prompts, cands)
     with torch.no_grad():
         for p, cs, got in zip(prompts, cands, scores):
             for c, s in zip(cs, got):
@@ -32,7 +33,7 @@ def test_admissible_actor_greedy_and_sampled_logp(tiny_base):
     prompt = builder.prompt("put some book on sidetable.", ["You are in the middle of a room."], [])
     acts = ["go to desk 1", "go to cabinet 1", "look"]
     cand = [builder.action_ids(f"Action: {a}") for a in acts]
-    scores = score_candidates(model, [prompt], [cand], tok.pad_token_id)[0]
+    scores = HFBackend(model, tok.pad_token_id, reuse=False).score([0], [prompt], [cand])[0]
     [greedy] = actor.act([prompt], [acts], greedy=True)
     best = int(scores.argmax())
     assert greedy.output == f"Action: {acts[best]}"

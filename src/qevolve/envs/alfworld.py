@@ -2,7 +2,9 @@
 
 Games are read from `$ALFWORLD_DATA/json_2.1.1/<split>/<task>/<trial>/game.tw-pddl`, ALFWorld's own layout.
 One TextWorld environment object is kept and each game is loaded into it (`load` + `reset`), which is
-how ALFWorld's own loader reuses an environment; a reset still costs about a second (PDDL grounding).
+how ALFWorld's own loader reuses an environment. TextWorld grounds the same PDDL problem twice per game
+(once in `load`, again in `reset`); `_memoize_grounding` makes the second time free, which halves a reset
+(about 3 s to 1.5 s on our CPU).
 """
 
 from __future__ import annotations
@@ -113,6 +115,31 @@ def split_observation(feedback: str) -> tuple[str, str]:
     return task.strip(), obs.strip()
 
 
+def _memoize_grounding() -> None:
+    """Serve TextWorld's repeated PDDL-to-SAS translation of one problem from a small cache.
+
+    The translation is a pure function of (domain, problem, optimize) and its result is only read, so
+    the `load` and `reset` of one game can share it. Idempotent; applied once per process.
+    """
+    import fast_downward
+
+    if getattr(fast_downward.pddl2sas, "_qevolve_cached", False):
+        return
+    translate = fast_downward.pddl2sas
+    cache: dict[tuple, tuple] = {}
+
+    def pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: bool = False):
+        key = (domain, problem, optimize)
+        if key not in cache:
+            if len(cache) >= 4:  # one game's two translations, plus the previous game's
+                cache.pop(next(iter(cache)))
+            cache[key] = translate(domain, problem, verbose=verbose, optimize=optimize)
+        return cache[key]
+
+    pddl2sas._qevolve_cached = True
+    fast_downward.pddl2sas = pddl2sas
+
+
 class AlfworldEnv:
     """One TextWorld environment, reused across games. Not thread-safe; one per worker."""
 
@@ -147,6 +174,7 @@ class AlfworldEnv:
         if not game.exists():
             raise AlfworldDataError(f"{game}: game file missing for task {task.id!r}")
         if self._env is None:
+            _memoize_grounding()
             extras = ["gamefile"] + (["expert_plan"] if self.expert == "handcoded" else [])
             infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=extras)
             self._env = textworld.start(str(game), request_infos=infos, wrappers=self._wrappers())

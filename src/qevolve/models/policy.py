@@ -1,21 +1,29 @@
 """The policy: base causal LM + LoRA adapter, and the two ways it acts.
 
 - `admissible`: every valid action is scored by its log-likelihood as the next assistant turn, all
-  candidates of all episodes in one forward pass (see `score_candidates`).
-- `free`: batched generation of the assistant turn, parsed afterwards.
+  candidates of all episodes in one forward pass (`HFBackend.score`).
+- `free`: batched generation of the assistant turn, stopped at the end of its `Action:` line and
+  parsed afterwards (`HFBackend.generate`).
+
+Both go through a `RolloutBackend` (`qevolve.models.backend`), which keeps each episode's KV cache
+across turns.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from qevolve.config import ModelConfig
+from qevolve.models.backend import HFBackend, RolloutBackend
 from qevolve.models.base import load_base
 from qevolve.models.prompt import PromptBuilder, format_action
 
+_ACTION_LINE = re.compile(r"^\s*action\s*:[^\n]*\S[^\n]*\n", re.IGNORECASE | re.MULTILINE)
+"""An `Action:` line with a command, ended by a newline: nothing after it is read."""
 
 
 def lora_model(model, cfg: ModelConfig):
@@ -51,62 +59,6 @@ def load_policy(base_dir: Path | str, cfg: ModelConfig, adapter: Path | str | No
     return PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable), tok
 
 
-def _left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s) :] = torch.tensor(s)
-        mask[i, width - len(s) :] = 1
-    return ids, mask
-
-
-@torch.no_grad()
-def score_candidates(model, prompts: list[list[int]], candidates: list[list[list[int]]], pad_id: int) -> list[torch.Tensor]:
-    """Sum of log-probs of each candidate continuation after its prompt, in one forward pass.
-
-    Each episode becomes one row: its prompt followed by all its candidates back to back. A 4-D
-    attention mask lets every candidate token see the prompt and the earlier tokens of its own
-    candidate only, and position ids restart after the prompt for each candidate, so each candidate is
-    scored exactly as if it followed the prompt alone; the prompt is encoded once.
-
-    prompts: B token lists; candidates[b]: token lists to score after prompts[b].
-    Returns B tensors, tensor b of shape (len(candidates[b]),).
-    """
-    rows = [p + [t for c in cs for t in c] for p, cs in zip(prompts, candidates)]
-    width = max(map(len, rows))
-    B = len(rows)
-    ids = torch.full((B, width), pad_id, dtype=torch.long)
-    pos = torch.zeros((B, width), dtype=torch.long)
-    segment = torch.full((B, width), -2, dtype=torch.long)  # -1 prompt, j candidate j, -2 padding
-    for b, (p, cs) in enumerate(zip(prompts, candidates)):
-        ids[b, : len(rows[b])] = torch.tensor(rows[b])
-        pos[b, : len(p)] = torch.arange(len(p))
-        segment[b, : len(p)] = -1
-        start = len(p)
-        for j, c in enumerate(cs):
-            pos[b, start : start + len(c)] = torch.arange(len(p), len(p) + len(c))
-            segment[b, start : start + len(c)] = j
-            start += len(c)
-    q, k = segment[:, :, None], segment[:, None, :]
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    allowed = causal & (k != -2) & ((k == -1) | (k == q))
-    allowed |= torch.eye(width, dtype=torch.bool)  # padding rows attend to themselves (no NaN)
-    logits = model(input_ids=ids, attention_mask=allowed[:, None], position_ids=pos).logits
-    logp = torch.log_softmax(logits.float(), dim=-1)  # (B, W, V)
-    out = []
-    for b, (p, cs) in enumerate(zip(prompts, candidates)):
-        scores, start = torch.empty(len(cs)), len(p)
-        for j, c in enumerate(cs):
-            # token i of candidate j is predicted at the previous position: the prompt's last token for
-            # i = 0, else the candidate's own previous token.
-            at = torch.tensor([len(p) - 1] + list(range(start, start + len(c) - 1)))
-            scores[j] = logp[b, at, torch.tensor(c)].sum()
-            start += len(c)
-        out.append(scores)
-    return out
-
-
 @dataclass
 class Decision:
     output: str
@@ -117,20 +69,29 @@ class Decision:
 
 
 class Actor:
-    """Chooses the next assistant turn for a batch of episodes."""
+    """Chooses the next assistant turn for a batch of episodes.
 
-    def __init__(self, model, tokenizer, builder: PromptBuilder, mode: str, temperature: float, max_new_tokens: int):
-        self.model, self.tok, self.builder = model.eval(), tokenizer, builder
+    `slots` name where each episode runs (a rollout slot), so the backend can keep its KV cache from
+    one turn to the next; `reuse_cache=False` re-encodes every prompt in full (the baseline)."""
+
+    def __init__(self, model, tokenizer, builder: PromptBuilder, mode: str, temperature: float, max_new_tokens: int, reuse_cache: bool = True):
+        self.tok, self.builder = tokenizer, builder
         self.mode, self.temperature, self.max_new_tokens = mode, temperature, max_new_tokens
+        self.backend: RolloutBackend = HFBackend(model.eval(), tokenizer.pad_token_id, reuse=reuse_cache)
+        self._end = builder.end_ids or [tokenizer.eos_token_id]
 
-    def act(self, prompts: list[list[int]], admissible: list[list[str]], greedy: bool, generator: torch.Generator | None = None) -> list[Decision]:
+    def act(
+        self, prompts: list[list[int]], admissible: list[list[str]], greedy: bool,
+        generator: torch.Generator | None = None, slots: list[int] | None = None,
+    ) -> list[Decision]:
+        slots = list(range(len(prompts))) if slots is None else slots
         if self.mode == "admissible":
-            return self._choose(prompts, admissible, greedy, generator)
-        return self._generate(prompts, greedy, generator)
+            return self._choose(slots, prompts, admissible, greedy, generator)
+        return self._generate(slots, prompts, greedy, generator)
 
-    def _choose(self, prompts, admissible, greedy, generator) -> list[Decision]:
+    def _choose(self, slots, prompts, admissible, greedy, generator) -> list[Decision]:
         cand_ids = [[self.builder.action_ids(format_action(a)) for a in acts] for acts in admissible]
-        scores = score_candidates(self.model, prompts, cand_ids, self.tok.pad_token_id)
+        scores = self.backend.score(slots, prompts, cand_ids)
         decisions = []
         for acts, ids, s in zip(admissible, cand_ids, scores):
             temperature = 1.0 if greedy else self.temperature
@@ -139,32 +100,15 @@ class Actor:
             decisions.append(Decision(format_action(acts[k]), float(logp[k]), len(ids[k])))
         return decisions
 
-    @torch.no_grad()
-    def _generate(self, prompts, greedy, generator) -> list[Decision]:
-        ids, mask = _left_pad(prompts, self.tok.pad_token_id)
-        stop = self.builder.end_ids[0] if self.builder.end_ids else self.tok.eos_token_id
-        if generator is not None:
-            torch.manual_seed(int(torch.randint(2**31, (1,), generator=generator)))
-        out = self.model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=self.max_new_tokens,
-            do_sample=not greedy,
-            temperature=None if greedy else self.temperature,
-            top_k=None,
-            top_p=None,
-            eos_token_id=stop,
-            pad_token_id=self.tok.pad_token_id,
-            return_dict_in_generate=True,
-            output_scores=True,
+    def stop(self, tokens: list[int]) -> bool:
+        """A turn ends at the chat template's end-of-turn marker or with its `Action:` line."""
+        if tokens[-len(self._end) :] == self._end:
+            return True
+        return bool(_ACTION_LINE.search(self.tok.decode(tokens, skip_special_tokens=True)))
+
+    def _generate(self, slots, prompts, greedy, generator) -> list[Decision]:
+        out = self.backend.generate(
+            slots, prompts, max_new_tokens=self.max_new_tokens, stop=self.stop, greedy=greedy,
+            temperature=self.temperature, generator=generator,
         )
-        new = out.sequences[:, ids.shape[1] :]
-        logps = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)  # (B, N, V)
-        token_logp = logps.gather(-1, new[..., None]).squeeze(-1)
-        decisions = []
-        for b in range(len(prompts)):
-            toks = new[b].tolist()
-            n = toks.index(stop) + 1 if stop in toks else len(toks)
-            text = self.tok.decode(toks[:n], skip_special_tokens=True)
-            decisions.append(Decision(text.strip(), float(token_logp[b, :n].sum()), n))
-        return decisions
+        return [Decision(self.tok.decode(toks, skip_special_tokens=True).strip(), logp, len(toks)) for toks, logp in out]

@@ -61,7 +61,7 @@ def play(
             episodes = [slots[s][1] for s in active]
             reserve = actor.max_new_tokens if actor.mode == "free" else 0  # room for the generated turn
             prompts = [actor.builder.prompt(e.traj.instruction, e.observations, e.outputs, reserve) for e in episodes]
-            decisions = actor.act(prompts, [e.admissible for e in episodes], greedy, generator)
+            decisions = actor.act(prompts, [e.admissible for e in episodes], greedy, generator, slots=active)
             for s, ep, prompt, d in zip(active, episodes, prompts, decisions):
                 action, _ = parse_action(d.output)
                 if action is None:

@@ -1,0 +1,177 @@
+"""Rollout backends: how the policy's forward passes are run for a batch of concurrent episodes.
+
+`RolloutBackend` is the seam: `score` (log-likelihood of candidate continuations, for `admissible` mode)
+and `generate` (sampled or greedy continuations, for `free` mode), both for a batch of prompts, each
+prompt tied to a `slot` (a place where episodes run one after another).
+
+`HFBackend` runs a Hugging Face causal LM in this process. With `reuse=True` it keeps each slot's KV
+cache between calls and encodes only the tokens after the longest prefix the new prompt shares with the
+cached one: across the turns of one episode that is just the last action and the new observation; after
+history truncation or a new episode it is everything after the shared head. Slots of different lengths
+are batched by left-padding their caches. With `reuse=False` every call encodes every prompt in full,
+which is the baseline the `rollout` benchmark compares against. A vLLM backend for GPU machines would
+implement the same two methods.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class RolloutBackend(Protocol):
+    def score(self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]) -> list[torch.Tensor]:
+        """Sum of token log-probs of each candidate after its prompt; tensor b has len(candidates[b]) entries."""
+
+    def generate(
+        self, slots: list[int], prompts: list[list[int]], *, max_new_tokens: int, stop: "StopRule",
+        greedy: bool, temperature: float, generator: torch.Generator | None,
+    ) -> list[tuple[list[int], float]]:
+        """(new tokens, their summed log-prob) per prompt; each stops where `stop` says."""
+
+
+class StopRule(Protocol):
+    def __call__(self, tokens: list[int]) -> bool:
+        """True once the generated `tokens` are complete."""
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class HFBackend:
+    """A Hugging Face causal LM (peft-wrapped or not) run in this process; see the module docstring."""
+
+    def __init__(self, model, pad_id: int, reuse: bool = True):
+        self.model, self.pad_id, self.reuse = model, pad_id, reuse
+        self._cache: dict[int, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self.encoded_tokens = 0
+        """Tokens run through the model so far (prompts, candidates and generated tokens)."""
+
+    # -- the per-slot cache -------------------------------------------------------------------------
+
+    def _reusable(self, slot: int, prompt: list[int]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """How many leading tokens of `prompt` the slot's cache holds (at least one token is left to encode)."""
+        if not self.reuse or slot not in self._cache:
+            return 0, None
+        ids, kv = self._cache[slot]
+        n = min(_common_prefix(ids, prompt), len(prompt) - 1)
+        return (n, kv) if n > 0 else (0, None)
+
+    def forget(self, slot: int | None = None) -> None:
+        """Drop one slot's cache, or every slot's."""
+        if slot is None:
+            self._cache.clear()
+        else:
+            self._cache.pop(slot, None)
+
+    # -- one batched forward over (cached prefix, new tokens) ------------------------------------------
+
+    @torch.no_grad()
+    def _forward(self, slots: list[int], prompts: list[list[int]], extra: list[list[list[int]]]):
+        """Encode each prompt's uncached suffix followed by the segments `extra[b]` (each sees the whole
+        prompt and its own earlier tokens only) in one pass, and update the slots' caches to hold exactly
+        their prompt.
+
+        Returns (logits (B, Q, V), layout, cache, valid): layout[b] = (suffix length, segment starts) in
+        query positions; `cache` holds the batch's keys and values (`past` padded cached positions, then
+        the Q query positions) and `valid` (B, past + Q) marks the real prompt tokens in it.
+        """
+        from transformers import DynamicCache
+
+        reused = [self._reusable(s, p) for s, p in zip(slots, prompts)]
+        past = max(n for n, _ in reused)
+        queries, layout = [], []
+        for (n, _), p, segs in zip(reused, prompts, extra):
+            q, starts = list(p[n:]), []
+            for seg in segs:
+                starts.append(len(q))
+                q += seg
+            queries.append(q)
+            layout.append((len(p) - n, starts))
+        B, Q = len(prompts), max(map(len, queries))
+        ids = torch.full((B, Q), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((B, Q), dtype=torch.long)
+        segment = torch.full((B, Q), -2, dtype=torch.long)  # -1 prompt suffix, j segment j, -2 padding
+        valid = torch.zeros((B, past + Q), dtype=torch.bool)
+        for b, (q, (n, _), (s, starts)) in enumerate(zip(queries, reused, layout)):
+            ids[b, : len(q)] = torch.tensor(q, dtype=torch.long)
+            pos[b, :s] = torch.arange(n, n + s)
+            segment[b, :s] = -1
+            valid[b, past - n : past + s] = True
+            for j, (start, seg) in enumerate(zip(starts, extra[b])):
+                pos[b, start : start + len(seg)] = torch.arange(n + s, n + s + len(seg))
+                segment[b, start : start + len(seg)] = j
+        qs, ks = segment[:, :, None], segment[:, None, :]
+        own = torch.ones(Q, Q, dtype=torch.bool).tril() & (ks != -2) & ((ks == -1) | (ks == qs))
+        own |= torch.eye(Q, dtype=torch.bool)  # padding queries attend to themselves (no NaN)
+        mask = torch.cat([valid[:, None, :past].expand(B, Q, past), own], dim=-1)[:, None]  # (B, 1, Q, past + Q)
+        cache = DynamicCache()
+        if past:
+            first = next(kv for _, kv in reused if kv is not None)
+            layers = []
+            for layer, (k0, _) in enumerate(first):
+                k = k0.new_zeros((B, k0.shape[1], past, k0.shape[3]))
+                v = torch.zeros_like(k)
+                for b, (n, kv) in enumerate(reused):
+                    if n:
+                        k[b, :, past - n :] = kv[layer][0][0, :, :n]
+                        v[b, :, past - n :] = kv[layer][1][0, :, :n]
+                layers.append((k, v))
+            cache = DynamicCache(ddp_cache_data=layers)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+        self.encoded_tokens += sum(map(len, queries))
+        if self.reuse:
+            for b, (slot, p, (n, _), (s, _)) in enumerate(zip(slots, prompts, reused, layout)):
+                kv = [(l.keys[b : b + 1, :, past - n : past + s].clone(), l.values[b : b + 1, :, past - n : past + s].clone()) for l in cache.layers]
+                self._cache[slot] = (list(p), kv)
+        return out.logits, layout, cache, valid
+
+    def score(self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]) -> list[torch.Tensor]:
+        logits, layout, _, _ = self._forward(slots, prompts, candidates)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        out = []
+        for b, ((s, starts), cands) in enumerate(zip(layout, candidates)):
+            scores = torch.empty(len(cands))
+            for j, (start, c) in enumerate(zip(starts, cands)):
+                # token i of a candidate is predicted at the position before it: the prompt's last token
+                # for i = 0, else the candidate's own previous token
+                at = torch.tensor([s - 1] + list(range(start, start + len(c) - 1)))
+                scores[j] = logp[b, at, torch.tensor(c)].sum()
+            out.append(scores)
+        return out
+
+    @torch.no_grad()
+    def generate(
+        self, slots: list[int], prompts: list[list[int]], *, max_new_tokens: int, stop: StopRule,
+        greedy: bool, temperature: float, generator: torch.Generator | None = None,
+    ) -> list[tuple[list[int], float]]:
+        logits, layout, cache, valid = self._forward(slots, prompts, [[] for _ in prompts])
+        B = len(prompts)
+        last = torch.stack([logits[b, s - 1] for b, (s, _) in enumerate(layout)])  # (B, V)
+        pos = torch.tensor([len(p) for p in prompts])
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        logps = [0.0] * B
+        running = [True] * B
+        for _ in range(max_new_tokens):
+            logp = torch.log_softmax(last.float() / (1.0 if greedy else temperature), dim=-1)
+            nxt = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+            for b in range(B):
+                if running[b]:
+                    tokens[b].append(int(nxt[b]))
+                    logps[b] += float(logp[b, nxt[b]])
+                    running[b] = not stop(tokens[b])
+            if not any(running):
+                break
+            valid = torch.cat([valid, torch.tensor(running)[:, None]], dim=-1)
+            mask = valid[:, None, None, :] | (torch.arange(valid.shape[1]) == valid.shape[1] - 1)  # (B, 1, 1, L)
+            out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None], cache=cache, use_cache=True)
+            self.encoded_tokens += sum(running)
+            pos = pos + 1
+            last = out.logits[:, -1]
+        return list(zip(tokens, logps))
