@@ -10,6 +10,7 @@ run per iteration. Run it from the workspace root:
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import sys
@@ -18,10 +19,11 @@ from pathlib import Path
 
 from prefect import flow
 
-from flows.tracking import log_evolution_views, log_iteration_views, log_stage, start_evolution, start_iteration
-from qevolve import dvcfile
+from flows.tracking import log_evolution_views, log_iteration_views, log_stage, log_timing, start_evolution, start_iteration
+from qevolve import dvcfile, paths
 from qevolve.cli import summary_table
 from qevolve.config import load_params
+from qevolve.data.atomic import write_json
 from qevolve.envs.alfworld import ensure_alfworld_data
 from qevolve.stages import ITERATION, pipeline, stage_name
 from tasks import run_pipeline_stage
@@ -33,13 +35,30 @@ ROOT = Path(__file__).resolve().parent.parent
 def iteration(k: int, root: str, parent_run_id: str) -> dict:
     """One Q-Evolve iteration; its stages are tasks, its metrics go to a child MLflow run."""
     results = {}
+    start = time.perf_counter()
     with start_iteration(k, parent_run_id):
         for stage in ITERATION:
             result = run_pipeline_stage(stage, k, root)
             log_stage(result)
             results[stage_name(stage, k)] = result
         log_iteration_views(k)
+        timing = iteration_timing(k, results, time.perf_counter() - start)
+        if timing:
+            log_timing(timing)
     return results
+
+
+def iteration_timing(k: int, results: dict, wall: float) -> dict | None:
+    """Wall time of iteration k against the time its stage functions computed; the rest is Prefect, DVC
+    and MLflow. Written to `metrics/timing@k.json` when every stage ran (a resumed iteration mixes runs)."""
+    if not all(r.get("ran") for r in results.values()):
+        return None
+    compute = {name: r["compute_s"] for name, r in results.items()}
+    timing = {"iteration": k, "wall_s": wall, "compute_s": sum(compute.values()), "stages": compute}
+    timing["overhead_s"] = wall - timing["compute_s"]
+    timing["overhead_share"] = timing["overhead_s"] / wall
+    write_json(paths.metrics(f"timing@{k}"), timing)
+    return timing
 
 
 @flow(name="evolve")
@@ -79,6 +98,11 @@ def main() -> int:
     print()
     print(f"stages run: {', '.join(ran) or 'none (all up to date)'}; wall time {time.perf_counter() - start:.0f}s; "
           f"peak RSS {peak_rss_gb():.2f} GB")
+    for k in range(1, params.evolve.iterations + 1):
+        timing = ROOT / paths.metrics(f"timing@{k}")
+        if timing.exists() and any(name.endswith(f"@{k}") for name in ran):
+            t = json.loads(timing.read_text())
+            print(f"iteration {k}: {t['wall_s']:.0f}s, of which {t['overhead_share']:.1%} in Prefect, DVC and MLflow")
     print("Where to look next:")
     print("  mlflow ui --backend-store-uri sqlite:///mlflow.db   # runs, metrics, adapter, trajectories")
     print("  dvc dag && dvc metrics show && dvc plots show        # lineage and results")

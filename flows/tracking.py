@@ -50,6 +50,11 @@ def render_trajectories(store: Path, limit: int = SAMPLE_TRAJECTORIES) -> str:
     return "\n".join(lines)
 
 
+def log_timing(timing: dict) -> None:
+    """Iteration wall time, compute time and the orchestration overhead, to the active (child) run."""
+    mlflow.log_metrics({f"timing/{k}": v for k, v in timing.items() if k in ("wall_s", "compute_s", "overhead_s", "overhead_share")})
+
+
 def start_iteration(k: int, parent_run_id: str):
     """The child run of iteration k, under the evolution's parent run."""
     return mlflow.start_run(run_name=f"iteration-{k}", nested=True, parent_run_id=parent_run_id, tags={"qevolve.iteration": str(k)})

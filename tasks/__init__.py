@@ -2,13 +2,14 @@
 
 A task asks DVC whether its stage is up to date (same code, params and input hashes as in dvc.lock and
 outputs present). If so it does nothing and returns the recorded metrics; otherwise it runs the stage
-in-process and records it with `dvc commit`, so `dvc.lock` always agrees with what the flow produced
+in-process (timing it: `compute_s`) and records it with `dvc commit`, so `dvc.lock` always agrees with what the flow produced
 and `dvc repro` / `dvc status` see the same state.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from prefect import task
@@ -43,7 +44,9 @@ def run_pipeline_stage(stage: str, iteration: int | None = None, root: str = "."
     if stage_is_current(root_path, name):
         metrics = json.loads((root_path / paths.metrics(name)).read_text())
         return {"stage": name, "ran": False, "metrics": metrics}
+    start = time.perf_counter()
     metrics = run_stage(stage, load_params(root_path / "params.yaml"), iteration)
+    compute = time.perf_counter() - start
     with dvc_repo(root_path) as repo:
         repo.commit(name, force=True)
-    return {"stage": name, "ran": True, "metrics": metrics}
+    return {"stage": name, "ran": True, "metrics": metrics, "compute_s": compute}

@@ -84,3 +84,18 @@ def test_policy_step_moves_probability_with_the_advantage(tiny_base, algo):
         assert sum(won) / len(won) > 0 > sum(lost) / len(lost)
     else:  # AWR weights are positive: it can only pull, more towards high-advantage actions
         assert sum(won) / len(won) > sum(lost) / len(lost)
+
+
+def test_one_pass_critic_values_equal_one_pass_per_step(tiny_base):
+    from benchmarks.critic import max_difference, per_step_values
+
+    torch.manual_seed(0)
+    lm, tok = load_policy(tiny_base, MODEL)
+    critic = Critic(lm)
+    for head in (critic.v, critic.q):
+        torch.nn.init.normal_(head.weight)
+    items = critic_items(PromptBuilder(tok, 120), DATA[:3], weighted=True)  # small budget: several windows
+    assert len(items) > 3
+    fast, slow = critic_values(critic, items, tok.pad_token_id, 4), per_step_values(critic, items, tok.pad_token_id, 4)
+    assert max_difference(fast, slow) < 1e-4
+    assert max_difference(fast, {t: {s: (v + 1, q) for s, (v, q) in steps.items()} for t, steps in slow.items()}) > 0.5

@@ -70,3 +70,26 @@ def test_bc_step_lowers_loss_and_changes_only_the_adapter(tiny_base):
     params = dict(model.named_parameters())
     assert any(not torch.equal(params[n], v) for n, v in trainable.items() if "lora_B" in n)
     assert all(torch.equal(params[n], v) for n, v in frozen.items())
+
+
+def test_packed_bc_loss_equals_padded_loss(tiny_base):
+    from qevolve.stages.training import pack
+
+    assert sorted(map(sorted, pack([5, 3, 4, 2, 9], 9))) == [[0, 2], [1, 3], [4]]
+    model, tok = load_policy(tiny_base, MODEL)
+    builder = PromptBuilder(tok, 512)
+    examples = builder.training_examples(
+        "put some book on sidetable.", ["You are in the middle of a room.", "You arrive at desk 1."],
+        ["Action: go to desk 1", "Action: take book 1 from desk 1"],
+    ) + builder.training_examples("examine the book.", ["You are in a room."], ["Action: look"])
+    from qevolve.stages.training import packed_rows
+
+    ids, _, pos = packed_rows([x for x, _ in examples], [m for _, m in examples], 512, tok.pad_token_id)
+    assert ids.shape[0] == 1 and (pos == 0).sum() == 2  # both windows share one row
+    losses, grads = [], []
+    for pack_tokens in (0, 512):
+        model.zero_grad()
+        losses.append(bc_step(model, [examples], tok.pad_token_id, pack_tokens)["loss"])
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert abs(losses[0] - losses[1]) < 1e-5
+    assert torch.allclose(grads[0], grads[1], atol=1e-5)

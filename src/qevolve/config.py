@@ -188,7 +188,9 @@ class AdvantageConfig(Section):
 
 
 class BCConfig(TrainConfig):
-    pass
+    pack: bool = True
+    """Pack each micro-batch's windows into rows of at most `model.context_tokens` tokens, each window
+    attending only to itself (padding-free); false pads every window to the micro-batch's longest."""
 
 
 class EvaluateConfig(Section):

@@ -20,7 +20,7 @@ HEADER = (
     "# Do not edit by hand: change the generator in src/qevolve/dvcfile.py.\n"
 )
 SRC = "src/qevolve"
-ACTING = ["src/qevolve/stages/rollout.py", "src/qevolve/models/policy.py", "src/qevolve/models/prompt.py", "src/qevolve/envs"]
+ACTING = ["src/qevolve/stages/rollout.py", "src/qevolve/models/policy.py", "src/qevolve/models/backend.py", "src/qevolve/models/prompt.py", "src/qevolve/envs"]
 ACTING_PARAMS = ["env", "model", "policy.action_mode", "policy.max_new_tokens"]
 
 

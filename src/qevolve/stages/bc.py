@@ -13,7 +13,7 @@ from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import Trajectory, read_store
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PromptBuilder, format_action
-from qevolve.stages.training import last_epoch_mean, pad_ids, train
+from qevolve.stages.training import last_epoch_mean, packed_rows, pad_ids, train
 
 PROMPT_FILE = "prompt.json"  # saved beside the adapter so acting uses the prompt BC trained with
 
@@ -40,14 +40,21 @@ def build_examples(builder: PromptBuilder, trajs: list[Trajectory]) -> list[tupl
     return examples
 
 
-def bc_step(model, micro: list[list[tuple[list[int], list[int]]]], pad_id: int) -> dict:
-    """Forward and backward over micro-batches; the loss is the mean over all action tokens of the step."""
+def bc_step(model, micro: list[list[tuple[list[int], list[int]]]], pad_id: int, pack_tokens: int = 0) -> dict:
+    """Forward and backward over micro-batches; the loss is the mean over all action tokens of the step.
+
+    `pack_tokens` > 0 packs each micro-batch into rows of that many tokens (see `packed_rows`); the
+    loss is the same as with padding, since the first token of a window is never an action token."""
     total = sum(sum(m[1:]) for mb in micro for _, m in mb)
     loss_sum = 0.0
     for mb in micro:
-        ids, attn = pad_ids([x for x, _ in mb], pad_id)
-        mask, _ = pad_ids([m for _, m in mb], 0)
-        logits = model(input_ids=ids, attention_mask=attn).logits
+        if pack_tokens:
+            ids, mask, pos = packed_rows([x for x, _ in mb], [m for _, m in mb], pack_tokens, pad_id)
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        else:
+            ids, attn = pad_ids([x for x, _ in mb], pad_id)
+            mask, _ = pad_ids([m for _, m in mb], 0)
+            logits = model(input_ids=ids, attention_mask=attn).logits
         weight = int(mask[:, 1:].sum()) / max(total, 1)
         loss = masked_nll(logits, ids, mask) * weight
         loss.backward()
@@ -64,8 +71,9 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
     one_shot = one_shot_text(trajs) if params.prompt.one_shot else ""
     builder = PromptBuilder(tok, params.model.context_tokens, one_shot, params.prompt.repeat_task)
     examples = build_examples(builder, trajs)
+    pack_tokens = params.model.context_tokens if cfg.pack else 0
     start = time.perf_counter()
-    curve = train(model, examples, cfg, lambda e: len(e[0]), lambda micro: bc_step(model, micro, tok.pad_token_id), "bc")
+    curve = train(model, examples, cfg, lambda e: len(e[0]), lambda micro: bc_step(model, micro, tok.pad_token_id, pack_tokens), "bc")
     elapsed = time.perf_counter() - start
     tokens = cfg.epochs * sum(len(ids) for ids, _ in examples)
     with atomic_dir(out) as tmp:

@@ -24,6 +24,44 @@ def pad_ids(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, t
     return ids, attn
 
 
+def pack(lengths: Sequence[int], limit: int) -> list[list[int]]:
+    """Indices grouped into rows of at most `limit` tokens, first fit by decreasing length (a sequence
+    longer than `limit` gets a row of its own)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r in range(len(rows)) if room[r] >= lengths[i]), None)
+        if row is None:
+            rows.append([])
+            room.append(limit)
+            row = len(rows) - 1
+        rows[row].append(i)
+        room[row] -= lengths[i]
+    return rows
+
+
+def packed_rows(seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[int]], limit: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenate sequences into rows of <= `limit` tokens: (ids, mask, position_ids), each (R, T).
+
+    Positions restart at 0 at each sequence, which is how transformers recognises packed sequences
+    (given no attention mask) and keeps each one attending to itself only; padding is position 0 too,
+    so it forms sequences of its own. The mask (e.g. over action tokens) is 0 on padding."""
+    groups = pack([len(s) for s in seqs], limit)
+    width = max(sum(len(seqs[i]) for i in g) for g in groups)
+    ids = torch.full((len(groups), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    pos = torch.zeros_like(ids)
+    for r, g in enumerate(groups):
+        at = 0
+        for i in g:
+            n = len(seqs[i])
+            ids[r, at : at + n] = torch.tensor(list(seqs[i]))
+            mask[r, at : at + n] = torch.tensor(list(masks[i]))
+            pos[r, at : at + n] = torch.arange(n)
+            at += n
+    return ids, mask, pos
+
+
 def batches(items: list[T], cfg: TrainConfig, rng: random.Random, length: Callable[[T], int]) -> Iterator[list[list[T]]]:
     """One epoch: shuffled optimiser batches, each sorted by length and cut into micro-batches."""
     order = rng.sample(range(len(items)), len(items))
