@@ -25,6 +25,7 @@ from qevolve.cli import summary_table
 from qevolve.config import load_params
 from qevolve.data.atomic import write_json
 from qevolve.envs.alfworld import ensure_alfworld_data
+from qevolve.lock import WorkspaceBusy, workspace_lock
 from qevolve.stages import ITERATION, pipeline, stage_name
 from tasks import run_pipeline_stage
 
@@ -65,6 +66,11 @@ def iteration_timing(k: int, results: dict, wall: float) -> dict | None:
 def evolve(root: str = str(ROOT)) -> dict:
     """Expert demonstrations, behaviour cloning and its evaluation, then the Q-Evolve iterations."""
     os.chdir(root)
+    with workspace_lock(root, "evolution"):
+        return _evolve(root)
+
+
+def _evolve(root: str) -> dict:
     params = load_params("params.yaml")
     if dvcfile.write(params, Path("dvc.yaml")):
         print(f"dvc.yaml regenerated for evolve.iterations = {params.evolve.iterations}")
@@ -90,7 +96,11 @@ def peak_rss_gb() -> float:
 
 def main() -> int:
     start = time.perf_counter()
-    results = evolve()
+    try:
+        results = evolve()
+    except WorkspaceBusy as err:
+        print(err, file=sys.stderr)
+        return 2
     params = load_params(ROOT / "params.yaml")
     ran = [name for name, r in results.items() if isinstance(r, dict) and r.get("ran")]
     print()

@@ -6,6 +6,7 @@ recorded, whether it ran now or earlier.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import mlflow
 
 from qevolve import paths
 from qevolve.config import Params
+from qevolve.data.atomic import write_json
+from qevolve.lock import STATE_DIR
 from qevolve.data.store import read_store
 from qevolve.stages.advantage import read_advantages
 
@@ -30,10 +33,39 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+EVOLUTION_FILE = Path(STATE_DIR) / "evolution.json"
+"""The workspace's current evolution: its MLflow parent run and the parameters it was started with."""
+
+
 def start_evolution(params: Params, run_name: str):
+    """The evolution's parent run: the same one again when this workspace last ran these parameters
+    (a resumed or repeated run), a new one otherwise.
+
+    Runs left RUNNING under a resumed parent belong to an attempt that was killed (the workspace lock
+    guarantees no other attempt is alive): they are marked KILLED, and the parent counts its attempts."""
     mlflow.set_experiment(params.mlflow.experiment)
-    run = mlflow.start_run(run_name=run_name)
-    mlflow.log_params({k: str(v)[:500] for k, v in flatten(params.model_dump()).items()})
+    fingerprint = hashlib.sha256(json.dumps(params.model_dump(), sort_keys=True, default=str).encode()).hexdigest()
+    previous = json.loads(EVOLUTION_FILE.read_text()) if EVOLUTION_FILE.exists() else {}
+    client = mlflow.MlflowClient()
+    run_id = previous.get("run_id") if previous.get("fingerprint") == fingerprint else None
+    if run_id is not None:
+        try:
+            old = client.get_run(run_id)
+        except mlflow.exceptions.MlflowException:
+            old = None
+        if old is None or old.info.lifecycle_stage != "active":
+            run_id = None
+    if run_id is None:
+        run = mlflow.start_run(run_name=run_name, tags={"qevolve.attempts": "1"})
+        mlflow.log_params({k: str(v)[:500] for k, v in flatten(params.model_dump()).items()})
+        write_json(EVOLUTION_FILE, {"run_id": run.info.run_id, "fingerprint": fingerprint})
+        return run
+    stale = client.search_runs([old.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}' and attributes.status = 'RUNNING'")
+    for child in stale:
+        client.set_terminated(child.info.run_id, "KILLED")
+    killed = int(old.data.tags.get("qevolve.killed_attempts", "0")) + (old.info.status == "RUNNING")
+    run = mlflow.start_run(run_id=run_id)
+    mlflow.set_tags({"qevolve.attempts": str(int(old.data.tags.get("qevolve.attempts", "1")) + 1), "qevolve.killed_attempts": str(killed)})
     return run
 
 
@@ -56,7 +88,16 @@ def log_timing(timing: dict) -> None:
 
 
 def start_iteration(k: int, parent_run_id: str):
-    """The child run of iteration k, under the evolution's parent run."""
+    """The child run of iteration k under the evolution's parent run: the finished one again if an
+    earlier attempt completed the iteration, else a new one (a killed attempt's run stays KILLED)."""
+    client = mlflow.MlflowClient()
+    parent = client.get_run(parent_run_id)
+    done = client.search_runs(
+        [parent.info.experiment_id],
+        f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.`qevolve.iteration` = '{k}' and attributes.status = 'FINISHED'",
+    )
+    if done:
+        return mlflow.start_run(run_id=done[0].info.run_id, nested=True)
     return mlflow.start_run(run_name=f"iteration-{k}", nested=True, parent_run_id=parent_run_id, tags={"qevolve.iteration": str(k)})
 
 

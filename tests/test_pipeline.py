@@ -91,32 +91,34 @@ def _stages_run(out: str) -> str:
     return next(line for line in out.splitlines() if line.startswith("stages run:")).split(";")[0]
 
 
-def _kill_when_recorded(ws, stage: str, before: str):
-    """Start the flow and SIGKILL it once `before` is in dvc.lock, i.e. while `stage` runs."""
+def _kill_mid_training(ws, stage: str) -> str:
+    """Start the flow and SIGKILL it once `stage` has written its first in-stage checkpoint; return the output."""
     proc = _flow(ws)
+    checkpoint = ws / "models" / f".{stage}.checkpoint"
     deadline = time.time() + 500
-    while time.time() < deadline and proc.poll() is None:
-        lock = ws / "dvc.lock"
-        if lock.exists() and before in (yaml.safe_load(lock.read_text()) or {}).get("stages", {}):
-            break
-        time.sleep(0.2)
+    while time.time() < deadline and proc.poll() is None and not checkpoint.exists():
+        time.sleep(0.1)
     assert proc.poll() is None, proc.communicate()[0][-3000:]
     os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    out, _ = proc.communicate()
     assert not (ws / "metrics" / f"{stage}.json").exists(), f"{stage} finished before the kill"
+    return out
 
 
 def test_flow_end_to_end_resumes_after_kill_and_leaves_dvc_clean(tmp_path, alfworld_data):
     ws = _workspace(tmp_path)
-    # 1. Kill the flow during critic@1, then during policy@1; each re-run resumes at the killed stage.
-    _kill_when_recorded(ws, "critic@1", before="relabel@1")
+    # 1. Kill the flow in critic@1's training, then in policy@1's; each re-run resumes at the killed
+    # stage, and inside it at its last checkpoint.
+    _kill_mid_training(ws, "critic@1")
     relabelled = (ws / "metrics" / "relabel@1.json").stat().st_mtime_ns
-    _kill_when_recorded(ws, "policy@1", before="advantage@1")
+    out = _kill_mid_training(ws, "policy@1")
+    assert "critic: resuming from the checkpoint at step" in out
     assert (ws / "metrics" / "relabel@1.json").stat().st_mtime_ns == relabelled  # not redone
-    assert (ws / "models" / "critic@1").is_dir()
+    assert (ws / "models" / "critic@1").is_dir() and not (ws / "models" / ".critic@1.checkpoint").exists()
 
     # 2. Re-run to the end: only what the kill interrupted, and after it.
     out = _finish(_flow(ws))
+    assert "policy: resuming from the checkpoint at step" in out
     assert _stages_run(out) == "stages run: policy@1, evaluate@1"
     assert "iter 1" in out and "valid_seen" in out
     assert "mlflow ui" in out and "dvc dag" in out and "prefect server start" in out
@@ -131,9 +133,13 @@ def test_flow_end_to_end_resumes_after_kill_and_leaves_dvc_clean(tmp_path, alfwo
 
     mlflow.set_tracking_uri(f"sqlite:///{ws / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["qevolve"], output_format="list")
-    finished = [r for r in runs if r.info.status == "FINISHED"]
-    parent = next(r for r in finished if "mlflow.parentRunId" not in r.data.tags)
-    child = next(r for r in finished if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id)
+    # One evolution across the four attempts: the two killed ones' iteration runs are marked KILLED.
+    [parent] = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert parent.info.status == "FINISHED"
+    assert (parent.data.tags["qevolve.attempts"], parent.data.tags["qevolve.killed_attempts"]) == ("4", "2")
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(r.info.status for r in children) == ["FINISHED", "KILLED", "KILLED"]
+    child = next(r for r in children if r.info.status == "FINISHED")
     assert {"bc/loss", "evaluate/valid_seen/success_rate", "experts/success_rate"} <= set(parent.data.metrics)
     assert {"critic/v_loss", "critic/v_mean_won", "policy/kl", "policy/clip_fraction", "collect/cumulative_env_steps",
             "evaluate/valid_seen/success_rate", "advantage/raw_std"} <= set(child.data.metrics)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from qevolve import dvcfile, paths
 from qevolve.config import ConfigError, load_params
+from qevolve.lock import WorkspaceBusy, workspace_lock
 from qevolve.stages import STAGES, run_stage
 
 
@@ -65,7 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as err:
         print(err, file=sys.stderr)
         return 2
-    metrics = run_stage(args.stage, params, args.iteration)
+    try:
+        with workspace_lock(args.params.parent, f"stage {args.stage}"):
+            metrics = run_stage(args.stage, params, args.iteration)
+    except WorkspaceBusy as err:
+        print(err, file=sys.stderr)
+        return 2
     print(json.dumps(metrics, indent=2, default=str)[:2000])
     return 0
 

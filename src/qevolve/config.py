@@ -114,6 +114,9 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
     seed: int = 0
+    checkpoint_every: int = Field(25, gt=0)
+    """Optimiser steps between in-stage checkpoints (also saved at each epoch's end); a killed stage
+    resumes from its last one."""
 
 
 class PolicyConfig(TrainConfig):

@@ -21,6 +21,9 @@ HEADS_FILE = "heads.safetensors"
 
 
 class Critic(nn.Module):
+    checkpoint_extra = ("q_target.weight", "q_target.bias")
+    """Changed by `update_target`, not by the optimiser: in-stage checkpoints must save it too."""
+
     def __init__(self, lm):
         super().__init__()
         self.lm = lm

@@ -13,7 +13,7 @@ from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import Trajectory, read_store
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PromptBuilder, format_action
-from qevolve.stages.training import last_epoch_mean, packed_rows, pad_ids, train
+from qevolve.stages.training import checkpoint_path, last_epoch_mean, packed_rows, pad_ids, train
 
 PROMPT_FILE = "prompt.json"  # saved beside the adapter so acting uses the prompt BC trained with
 
@@ -73,7 +73,8 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
     examples = build_examples(builder, trajs)
     pack_tokens = params.model.context_tokens if cfg.pack else 0
     start = time.perf_counter()
-    curve = train(model, examples, cfg, lambda e: len(e[0]), lambda micro: bc_step(model, micro, tok.pad_token_id, pack_tokens), "bc")
+    curve = train(model, examples, cfg, lambda e: len(e[0]), lambda micro: bc_step(model, micro, tok.pad_token_id, pack_tokens), "bc",
+                  checkpoint=checkpoint_path(out))
     elapsed = time.perf_counter() - start
     tokens = cfg.epochs * sum(len(ids) for ids, _ in examples)
     with atomic_dir(out) as tmp:
@@ -91,4 +92,5 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
     }
     write_json(metrics_path, metrics)
     write_json(curve_path, curve)
+    checkpoint_path(out).unlink(missing_ok=True)  # the artifact is complete
     return metrics

@@ -20,7 +20,7 @@ from qevolve.models.critic import Critic, load_critic
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PromptBuilder, Window
 from qevolve.stages.bc import PROMPT_FILE, make_builder
-from qevolve.stages.training import last_epoch_mean, pad_ids, train
+from qevolve.stages.training import checkpoint_path, last_epoch_mean, pad_ids, train
 
 
 @dataclass
@@ -131,7 +131,7 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, out
     curve = train(
         model, items, cfg, lambda it: len(it.window.ids),
         lambda micro: critic_step(model, micro, cfg.gamma, cfg.expectile, tok.pad_token_id),
-        "critic", after_step=lambda: model.update_target(cfg.target_rate),
+        "critic", after_step=lambda: model.update_target(cfg.target_rate), checkpoint=checkpoint_path(out),
     )
     elapsed = time.perf_counter() - start
     values = critic_values(model, items, tok.pad_token_id, cfg.micro_batch_size)
@@ -150,6 +150,7 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, out
     }
     write_json(metrics_path, metrics)
     write_json(curve_path, curve)
+    checkpoint_path(out).unlink(missing_ok=True)  # the artifact is complete
     return metrics
 
 

@@ -24,7 +24,7 @@ from qevolve.models.policy import load_policy
 from qevolve.models.prompt import Window
 from qevolve.stages.advantage import read_advantages
 from qevolve.stages.bc import PROMPT_FILE, make_builder
-from qevolve.stages.training import last_epoch_mean, pad_ids, train
+from qevolve.stages.training import checkpoint_path, last_epoch_mean, pad_ids, train
 
 
 @dataclass
@@ -121,7 +121,8 @@ def policy(
             it.behavior = torch.stack([lp.sum() for lp in ref])
         del bc_model
     start = time.perf_counter()
-    curve = train(model, items, cfg, lambda it: len(it.window.ids), lambda micro: policy_step(model, micro, params, tok.pad_token_id), "policy")
+    curve = train(model, items, cfg, lambda it: len(it.window.ids), lambda micro: policy_step(model, micro, params, tok.pad_token_id), "policy",
+                  checkpoint=checkpoint_path(out))
     elapsed = time.perf_counter() - start
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)
@@ -139,4 +140,5 @@ def policy(
     }
     write_json(metrics_path, metrics)
     write_json(curve_path, curve)
+    checkpoint_path(out).unlink(missing_ok=True)  # the artifact is complete
     return metrics

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import random
+from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 from tqdm import tqdm
 
 from qevolve.config import TrainConfig
+from qevolve.data.atomic import atomic_path
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -78,10 +85,17 @@ def train(
     step: Callable[[list[list[T]]], dict],
     desc: str,
     after_step: Callable[[], None] | None = None,
+    checkpoint: Path | None = None,
 ) -> list[dict]:
     """AdamW with linear warm-up and decay over `cfg.epochs` epochs; `step(micro_batches)` runs the
     forward and backward passes of one optimiser step and returns its metrics (with `loss`); `after_step`
     runs after each optimiser step (e.g. a target-network update).
+
+    With `checkpoint` (a file path), the whole training state (the model's changing tensors, optimiser,
+    schedule, RNGs, position in the epoch and the curve so far) is saved there atomically every
+    `cfg.checkpoint_every` steps and at the end, and a run that finds a checkpoint of the same training
+    (same config and data) resumes from it instead of starting over; the result is the same as an
+    uninterrupted run's. The caller deletes the checkpoint once its artifact is written.
     Returns the curve: one dict of metrics per optimiser step."""
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -93,11 +107,38 @@ def train(
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min((s + 1) / warmup, max(0.0, (total - s) / max(1, total - warmup)))
     )
+    fingerprint = _fingerprint(desc, cfg, [length(it) for it in items])
+    saved = _changing_tensors(model)
+    curve: list[dict] = []
+    epoch, skip, epoch_rng = 0, 0, rng.getstate()
+    if checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        if state["fingerprint"] == fingerprint:
+            model.load_state_dict(state["model"], strict=False)
+            optimizer.load_state_dict(state["optimizer"])
+            schedule.load_state_dict(state["schedule"])
+            torch.set_rng_state(state["torch_rng"])
+            epoch, skip, epoch_rng, curve = state["epoch"], state["batch"], state["epoch_rng"], state["curve"]
+            log.warning("%s: resuming from the checkpoint at step %d of %d (%s)", desc, len(curve), total, checkpoint)
+        else:
+            log.warning("%s: ignoring checkpoint %s, written for another configuration or dataset", desc, checkpoint)
+
+    def save(epoch: int, batch: int, epoch_rng) -> None:
+        state = {
+            "fingerprint": fingerprint, "model": {n: t.detach().clone() for n, t in model.state_dict().items() if n in saved},
+            "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "torch_rng": torch.get_rng_state(),
+            "epoch": epoch, "batch": batch, "epoch_rng": epoch_rng, "curve": curve,
+        }
+        with atomic_path(checkpoint) as tmp:
+            torch.save(state, tmp)
+
     model.train()
-    curve = []
-    with tqdm(total=total, desc=desc, unit="step") as bar:
-        for epoch in range(cfg.epochs):
-            for micro in batches(items, cfg, rng, length):
+    with tqdm(total=total, initial=len(curve), desc=desc, unit="step") as bar:
+        while epoch < cfg.epochs:
+            rng.setstate(epoch_rng)
+            for i, micro in enumerate(batches(items, cfg, rng, length)):
+                if i < skip:
+                    continue
                 optimizer.zero_grad(set_to_none=True)
                 metrics = step(micro)
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -108,8 +149,30 @@ def train(
                 curve.append({"step": len(curve) + 1, "epoch": epoch + 1, **metrics})
                 bar.update(1)
                 bar.set_postfix(epoch=epoch + 1, loss=f"{metrics['loss']:.3f}")
+                if checkpoint is not None and len(curve) % cfg.checkpoint_every == 0 and i + 1 < steps_per_epoch:
+                    save(epoch, i + 1, epoch_rng)
+            epoch, skip, epoch_rng = epoch + 1, 0, rng.getstate()
+            if checkpoint is not None:
+                save(epoch, 0, epoch_rng)
     model.eval()
     return curve
+
+
+def checkpoint_path(out: Path) -> Path:
+    """Where the stage writing the artifact `out` keeps its in-stage checkpoint: beside it, never in it."""
+    return out.parent / f".{out.name}.checkpoint"
+
+
+def _changing_tensors(model: torch.nn.Module) -> set[str]:
+    """State-dict names of what training changes: trainable parameters, plus what the model names in
+    `checkpoint_extra` (e.g. a target network updated outside the optimiser)."""
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    return names | set(getattr(model, "checkpoint_extra", ()))
+
+
+def _fingerprint(desc: str, cfg: TrainConfig, lengths: list[int]) -> str:
+    blob = json.dumps([desc, cfg.model_dump(exclude={"checkpoint_every"}), lengths], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def last_epoch_mean(curve: list[dict], key: str) -> float:

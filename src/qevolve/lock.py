@@ -1,0 +1,73 @@
+"""One evolution per workspace at a time.
+
+`workspace_lock(root)` holds an exclusive `flock` on `<root>/.qevolve/lock` for as long as an evolution
+(or a `qevolve run` stage, which is what `dvc repro` calls) runs. The lock file names its holder, so a
+second attempt refuses with a message saying who holds it. The kernel drops the lock when the holder
+dies, even by SIGKILL, so a killed run never leaves a stale lock behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+STATE_DIR = ".qevolve"
+
+
+class WorkspaceBusy(RuntimeError):
+    pass
+
+
+@contextmanager
+def workspace_lock(root: Path | str, what: str) -> Iterator[None]:
+    """Hold the workspace lock while the block runs; raise `WorkspaceBusy` at once if another process has it.
+
+    Re-entrant within one process (a flow that calls stage code that also locks)."""
+    path = Path(root).resolve() / STATE_DIR / "lock"
+    if _held.get(path):
+        _held[path] += 1
+        try:
+            yield
+        finally:
+            _held[path] -= 1
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise WorkspaceBusy(f"{path.parent.parent}: another qevolve process is using this workspace ({_holder(path)}); "
+                                "wait for it to finish or stop it, then run again") from None
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "what": what, "command": " ".join(sys.argv)}
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(holder).encode())
+        _held[path] = 1
+        try:
+            yield
+        finally:
+            _held.pop(path, None)
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)  # closing releases the flock
+
+
+_held: dict[Path, int] = {}
+
+
+def _holder(path: Path) -> str:
+    try:
+        h = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        h = {}
+    if not h:
+        return "holder unknown"
+    return f"{h.get('what', '?')}, pid {h.get('pid')} on {h.get('host')} since {h.get('since')}: {h.get('command', '')}"
