@@ -28,6 +28,12 @@ def _write(tmp_path, raw):
         ({"env": {"task_types": ["make_coffee"]}}, "env.task_types"),
         ({"evaluate": {"splits": {"valid_seen": -1}}}, "evaluate.splits"),
         ({"model": {"lora": {"dropout": 1.5}}}, "model.lora.dropout"),
+        ({"critic": {"expectile": 1.0}}, "critic.expectile"),
+        ({"critic": {"gamma": 1.2}}, "critic.gamma"),
+        ({"advantage": {"lam": -0.1}}, "advantage.lam"),
+        ({"policy": {"lr": -1e-4}}, "policy.lr"),
+        ({"env": {"max_failure_ratio": 2}}, "env.max_failure_ratio"),
+        ({"prompt": {"max_observation_tokens": 0}}, "prompt.max_observation_tokens"),
     ],
 )
 def test_bad_values_fail_naming_file_and_key(tmp_path, raw, key):

@@ -86,3 +86,13 @@ def test_repeat_task_follows_every_observation(tiny_tokenizer):
     instr, obs, acts = _episode(2)
     text = tiny_tokenizer.decode(PromptBuilder(tiny_tokenizer, 10_000, repeat_task=True).prompt(instr, obs, acts))
     assert text.count(f"Your task is to: {instr}") == 3
+
+
+def test_a_runaway_observation_is_cut_to_its_budget_and_counted(tiny_tokenizer):
+    builder = PromptBuilder(tiny_tokenizer, 512, max_observation_tokens=40)
+    huge = "You arrive at desk 1. " * 50_000  # about 1 MB
+    prompt = builder.prompt("put some book on sidetable.", ["You are in a room.", huge], ["Action: go to desk 1"])
+    assert len(prompt) < 512 and len(builder.truncated) == 1
+    assert tiny_tokenizer.decode(prompt).count("You arrive at desk 1.") < 20 and "[...]" in tiny_tokenizer.decode(prompt)
+    builder.prompt("put some book on sidetable.", ["You are in a room.", huge], ["Action: go to desk 1"])
+    assert len(builder.truncated) == 1  # counted once per observation, however often it is prompted

@@ -68,7 +68,7 @@ def test_failed_write_keeps_previous_store(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(pq, "write_table", broken)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match=f"disk full while writing {tmp_path / 's'}; the previous version"):
         write_store(tmp_path / "s", [_traj("new")])
     monkeypatch.undo()
     assert [t.trajectory_id for t in read_store(tmp_path / "s")] == ["old"]

@@ -28,6 +28,9 @@ class EnvConfig(Section):
     """Restrict tasks to these types (ALFWorld: `pick_and_place_simple`, ...); empty = all."""
     max_steps: int = Field(40, gt=0)
     """Episode step cap for the policy."""
+    max_failure_ratio: float = Field(0.1, ge=0, le=1)
+    """A stage goes on when the environment itself fails an episode (a crash: counted as `env_failures`
+    in its metrics, the episode dropped), and fails only when more than this share of its episodes did."""
 
     @field_validator("task_types")
     @classmethod
@@ -97,10 +100,13 @@ class ModelConfig(Section):
 
 class PromptConfig(Section):
     one_shot: bool = False
+    """Prepend one expert demonstration of the same task type to the instruction."""
     repeat_task: bool = False
     """Repeat the task after every observation, not only the first: a small model trained from scratch
     then matches the goal object against what it sees in a few tokens rather than across the history."""
-    """Prepend one expert demonstration of the same task type to the instruction."""
+    max_observation_tokens: int = Field(256, gt=0)
+    """An observation longer than this is cut to it (a warning, counted as `truncated_observations` in
+    the stage's metrics), so one runaway observation cannot crowd out the history."""
 
 
 class TrainConfig(Section):

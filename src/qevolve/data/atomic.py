@@ -1,7 +1,12 @@
-"""Atomic artifact writes: a file or folder appears under its final path whole, or not at all."""
+"""Atomic artifact writes: a file or folder appears under its final path whole, or not at all.
+
+A failed write (a crash, a full disk) leaves the previous version of the artifact in place; a full disk
+is reported as such, naming the artifact.
+"""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -20,7 +25,8 @@ def atomic_path(path: Path | str, suffix: str = "") -> Iterator[Path]:
     os.close(fd)
     tmp = Path(tmp)
     try:
-        yield tmp
+        with _disk_full_names(path):
+            yield tmp
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -31,9 +37,11 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
     """Yield an empty temporary folder beside `path`; on success it replaces `path` whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _restore_interrupted_swap(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
-        yield tmp
+        with _disk_full_names(path):
+            yield tmp
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
             os.replace(path, old / "x")
@@ -44,6 +52,29 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def _restore_interrupted_swap(path: Path) -> None:
+    """A folder is replaced in two renames (old aside, new in); if a kill fell between them, put the old
+    version back so that the artifact is never missing."""
+    if path.exists():
+        return
+    for old in sorted(path.parent.glob(f".{path.name}.*.old")):
+        if (old / "x").exists():
+            os.replace(old / "x", path)
+            shutil.rmtree(old)
+            return
+
+
+@contextmanager
+def _disk_full_names(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        raise OSError(errno.ENOSPC, f"disk full while writing {path}; the previous version (if any) is intact, "
+                                    "free some space and run again") from err
 
 
 def write_json(path: Path | str, obj) -> None:

@@ -7,7 +7,7 @@ import random
 from qevolve.config import EnvConfig
 from qevolve.envs.base import Observation, Step, Task, TextEnv
 
-__all__ = ["Observation", "Step", "Task", "TextEnv", "make_env", "select_tasks"]
+__all__ = ["Observation", "Step", "Task", "TextEnv", "check_tasks", "make_env", "select_tasks"]
 
 
 def make_env(cfg: EnvConfig, expert: str | None = None) -> TextEnv:
@@ -17,6 +17,19 @@ def make_env(cfg: EnvConfig, expert: str | None = None) -> TextEnv:
 
         return AlfworldEnv(expert=expert)
     raise ValueError(f"env.name: unknown environment {cfg.name!r}")
+
+
+def check_tasks(env: TextEnv, trajectories, source: str) -> None:
+    """Fail, naming `source` and the `task_id` field, if a trajectory's task is not a task of `env`."""
+    known: dict[str, set[str]] = {}
+    for t in trajectories:
+        if t.split not in known:
+            try:
+                known[t.split] = {task.id for task in env.tasks(t.split)}
+            except ValueError as err:
+                raise ValueError(f"{source}: split {t.split!r} of trajectory {t.trajectory_id}: {err}") from None
+        if t.task_id not in known[t.split]:
+            raise ValueError(f"{source}: task_id {t.task_id!r} (split {t.split!r}) is not a task of this environment")
 
 
 def select_tasks(env: TextEnv, split: str, cfg: EnvConfig, count: int, seed: int) -> list[Task]:

@@ -53,3 +53,19 @@ class TextEnv(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+ENV_ERROR = "env_error"
+
+
+class EnvironmentFailures(RuntimeError):
+    """More episodes failed in the environment itself than `env.max_failure_ratio` allows."""
+
+
+def env_failures(trajs: list) -> dict[str, int]:
+    """Failure reason -> episodes the environment failed (not the policy)."""
+    out: dict[str, int] = {}
+    for t in trajs:
+        if t.failure.startswith(ENV_ERROR):
+            out[t.failure] = out.get(t.failure, 0) + 1
+    return out

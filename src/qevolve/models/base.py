@@ -100,6 +100,12 @@ def load_base(base_dir: Path | str, dtype: str = "float32"):
         model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))
     except OSError as err:
         raise ModelLoadError(f"model.base: cannot load {source!r}: {err}") from None
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tok) > rows:
+        raise ModelLoadError(
+            f"model.base: the tokenizer at {source!r} has {len(tok)} tokens but the model's embedding has {rows} rows; "
+            "the tokenizer does not belong to this model"
+        )
     if tok.chat_template is None:
         tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
         tok.chat_template = CHAT_TEMPLATE

@@ -9,8 +9,11 @@ own chat template, so a Hugging Face chat model sees the format it was trained o
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 INSTRUCTION = (
     "Interact with a household to solve a task. At each turn, reply with one action as "
@@ -29,6 +32,11 @@ def parse_action(text: str) -> tuple[str | None, str]:
     if len(found) > 1:
         return None, "several actions"
     return found[0].lower(), ""
+
+
+def clean_text(text: str) -> str:
+    """`text` as valid UTF-8: what cannot be encoded (e.g. a lone surrogate from undecodable bytes) becomes '?'."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def format_action(action: str) -> str:
@@ -68,13 +76,16 @@ def _common_suffix(a: str, b: str) -> str:
 class PromptBuilder:
     """Turns (instruction, observations, actions) into token ids, with a mask over action tokens."""
 
-    def __init__(self, tokenizer, context_tokens: int, one_shot: str = "", repeat_task: bool = False):
+    def __init__(self, tokenizer, context_tokens: int, one_shot: str = "", repeat_task: bool = False, max_observation_tokens: int = 0):
         self.tok = tokenizer
+        self.max_observation_tokens = max_observation_tokens
+        self.truncated: set[int] = set()
+        """Hashes of the observations cut to `max_observation_tokens` (their count goes to metrics)."""
         self.fmt = ChatFormat.from_tokenizer(tokenizer)
         self.context_tokens = context_tokens
         self.one_shot = one_shot
         self.repeat_task = repeat_task
-        self._enc = lambda s: tokenizer.encode(s, add_special_tokens=False) if s else []
+        self._enc = lambda s: tokenizer.encode(clean_text(s), add_special_tokens=False) if s else []
         self.head_ids = self._enc(self.fmt.head)
         self.user_start_ids = self._enc(self.fmt.user_start)
         self.gen_prompt_ids = self._enc(self.fmt.user_end)
@@ -83,6 +94,20 @@ class PromptBuilder:
     def first_user_text(self, instruction: str, observation: str) -> str:
         example = f"\nHere is an example.\n{self.one_shot}\n" if self.one_shot else ""
         return f"{INSTRUCTION}{example}\n{observation.strip()}\n\nYour task is to: {instruction}"
+
+    def clip(self, observation: str) -> str:
+        """The observation, cut to `max_observation_tokens` tokens (0 = no limit) with a marker."""
+        if not self.max_observation_tokens or len(observation) <= self.max_observation_tokens:  # a token holds >= 1 char
+            return observation
+        ids = self._enc(observation)
+        if len(ids) <= self.max_observation_tokens:
+            return observation
+        key = hash(observation)
+        if key not in self.truncated:
+            self.truncated.add(key)
+            log.warning("an observation of %d tokens (%d characters) was cut to %d tokens (prompt.max_observation_tokens)",
+                        len(ids), len(observation), self.max_observation_tokens)
+        return self.tok.decode(ids[: self.max_observation_tokens]) + " [...]"
 
     def user_turn(self, text: str) -> list[int]:
         return self.user_start_ids + self._enc(text) + self.gen_prompt_ids
@@ -94,6 +119,7 @@ class PromptBuilder:
     def turns(self, instruction: str, observations: list[str], outputs: list[str]) -> list[tuple[list[int], list[int]]]:
         """(user ids, assistant ids) per turn; the last turn's assistant ids are empty if not yet acted."""
         task = f"\n\nYour task is to: {instruction}" if self.repeat_task else ""
+        observations = [self.clip(o) for o in observations]
         users = [self.first_user_text(instruction, observations[0])] + [o.strip() + task for o in observations[1:]]
         return [
             (self.user_turn(u), self.action_ids(outputs[i]) if i < len(outputs) else [])

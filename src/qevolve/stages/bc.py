@@ -11,6 +11,7 @@ from qevolve.algos.losses import masked_nll
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import Trajectory, read_store
+from qevolve.envs import check_tasks, make_env
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PromptBuilder, format_action
 from qevolve.stages.training import checkpoint_path, last_epoch_mean, packed_rows, pad_ids, train
@@ -29,7 +30,7 @@ def one_shot_text(trajs: list[Trajectory]) -> str:
 
 def make_builder(params: Params, tokenizer, policy_dir: Path) -> PromptBuilder:
     saved = json.loads((policy_dir / PROMPT_FILE).read_text())
-    return PromptBuilder(tokenizer, params.model.context_tokens, saved["one_shot"], saved["repeat_task"])
+    return PromptBuilder(tokenizer, params.model.context_tokens, saved["one_shot"], saved["repeat_task"], params.prompt.max_observation_tokens)
 
 
 def build_examples(builder: PromptBuilder, trajs: list[Trajectory]) -> list[tuple[list[int], list[int]]]:
@@ -67,9 +68,10 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
     trajs = read_store(experts_dir)
     if not trajs:
         raise ValueError(f"{experts_dir}: no expert trajectories to clone")
+    check_tasks(make_env(params.env), trajs, str(experts_dir))
     model, tok = load_policy(base_dir, params.model)
     one_shot = one_shot_text(trajs) if params.prompt.one_shot else ""
-    builder = PromptBuilder(tok, params.model.context_tokens, one_shot, params.prompt.repeat_task)
+    builder = PromptBuilder(tok, params.model.context_tokens, one_shot, params.prompt.repeat_task, params.prompt.max_observation_tokens)
     examples = build_examples(builder, trajs)
     pack_tokens = params.model.context_tokens if cfg.pack else 0
     start = time.perf_counter()
@@ -84,6 +86,7 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
         "loss": last_epoch_mean(curve, "loss"),
         "first_loss": curve[0]["loss"],
         "examples": len(examples),
+        "truncated_observations": len(builder.truncated),
         "trajectories": len(trajs),
         "steps": len(curve),
         "tokens_per_s": tokens / elapsed,

@@ -11,6 +11,7 @@ from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import write_store
 from qevolve.envs import make_env, select_tasks
+from qevolve.envs.base import ENV_ERROR, env_failures
 from qevolve.models.policy import Actor, load_policy
 from qevolve.stages.bc import make_builder
 from qevolve.stages.rollout import play
@@ -29,13 +30,18 @@ def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics
     trajs = play(
         lambda: make_env(params.env), [t for t in tasks for _ in range(cfg.samples_per_task)], actor,
         max_steps=params.env.max_steps, greedy=False, source=f"policy@{iteration - 1}", batch_size=cfg.batch_size,
-        seed=cfg.seed + iteration, desc=f"collect@{iteration}",
+        seed=cfg.seed + iteration, desc=f"collect@{iteration}", max_failure_ratio=params.env.max_failure_ratio,
     )
+    failures = env_failures(trajs)
+    trajs = [t for t in trajs if not t.failure.startswith(ENV_ERROR)]
     write_store(out, trajs)
     env_steps = sum(len(t.steps) for t in trajs)
     before = json.loads(Path(previous_metrics).read_text())
     tokens = sum(s.prompt_tokens + s.output_tokens for t in trajs for s in t.steps)
     metrics = {
+        "truncated_observations": len(actor.builder.truncated),
+        "env_failures": sum(failures.values()),
+        "env_failure_reasons": failures,
         "episodes": len(trajs),
         "tasks": len(tasks),
         "success_rate": sum(t.won for t in trajs) / max(len(trajs), 1),

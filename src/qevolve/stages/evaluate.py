@@ -11,6 +11,7 @@ from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import Trajectory, write_store
 from qevolve.envs import make_env, select_tasks
+from qevolve.envs.base import ENV_ERROR, env_failures
 from qevolve.models.policy import Actor, load_policy
 from qevolve.stages.bc import make_builder
 from qevolve.stages.rollout import play
@@ -42,12 +43,17 @@ def evaluate(params: Params, base_dir: Path, policy_dir: Path, out: Path, metric
     all_trajs, metrics = [], {}
     spent = json.loads(Path(env_steps_path).read_text())["cumulative_env_steps"]
     for split, count in cfg.splits.items():
+        cut = len(actor.builder.truncated)
         tasks = select_tasks(lister, split, params.env, count, cfg.seed)
         trajs = play(
             lambda: make_env(params.env), tasks, actor, max_steps=params.env.max_steps, greedy=True,
             source=f"policy@{iteration}", batch_size=cfg.batch_size, seed=cfg.seed, desc=f"evaluate {split}",
+            max_failure_ratio=params.env.max_failure_ratio,
         )
-        metrics[split] = {**episode_metrics(trajs), "cumulative_env_steps": spent}
+        failures = sum(env_failures(trajs).values())
+        trajs = [t for t in trajs if not t.failure.startswith(ENV_ERROR)]
+        metrics[split] = {**episode_metrics(trajs), "cumulative_env_steps": spent, "truncated_observations": len(actor.builder.truncated) - cut,
+                          "env_failures": failures}
         all_trajs += trajs
     write_store(out, all_trajs)
     write_json(metrics_path, metrics)

@@ -13,6 +13,7 @@ from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import StepRecord, Trajectory, write_store
 from qevolve.envs import Task, make_env, select_tasks
+from qevolve.envs.base import ENV_ERROR, EnvironmentFailures, env_failures
 from qevolve.models.prompt import format_action
 
 _worker_params: Params | None = None
@@ -54,7 +55,13 @@ def _demonstrate_in_worker(args: tuple[str, Task, int]) -> Trajectory:
     kind, task, max_steps = args
     if kind not in _worker_envs:  # one environment per expert kind, reused across tasks
         _worker_envs[kind] = make_env(_worker_params.env, expert=kind)
-    return demonstrate(_worker_envs[kind], task, max_steps)
+    try:
+        return demonstrate(_worker_envs[kind], task, max_steps)
+    except Exception as err:  # noqa: BLE001 - a crashed simulator fails this demonstration only
+        _worker_envs.pop(kind).close()
+        traj = Trajectory(uuid.uuid4().hex, task.id, task.type, task.split, "expert", "")
+        traj.failure = f"{ENV_ERROR}: {type(err).__name__}: {err}"[:300]
+        return traj
 
 
 def experts(params: Params, out: Path, metrics_path: Path) -> dict:
@@ -66,6 +73,10 @@ def experts(params: Params, out: Path, metrics_path: Path) -> dict:
     with mp.get_context("spawn").Pool(min(cfg.workers, len(jobs)), _init_worker, (params,)) as pool:
         trajs = list(tqdm(pool.imap(_demonstrate_in_worker, jobs), total=len(jobs), desc="experts", unit="ep"))
     won = [t for t in trajs if t.won]
+    failed = sum(env_failures(trajs).values())
+    if failed > params.env.max_failure_ratio * len(trajs):
+        raise EnvironmentFailures(f"experts: the environment failed {failed} of {len(trajs)} demonstrations, more than "
+                                  f"env.max_failure_ratio = {params.env.max_failure_ratio}: {env_failures(trajs)}")
     write_store(out, won)
     metrics = {
         "episodes": len(trajs),
@@ -74,6 +85,7 @@ def experts(params: Params, out: Path, metrics_path: Path) -> dict:
         "mean_steps": sum(len(t.steps) for t in won) / max(len(won), 1),
         # every step the experts took, failed episodes included: sample efficiency counts from here
         "cumulative_env_steps": sum(len(t.steps) for t in trajs),
+        "env_failures": failed,
         "failures": {f"{kind}:{t.task_id}": t.failure for (kind, *_), t in zip(jobs, trajs) if not t.won},
     }
     write_json(metrics_path, metrics)

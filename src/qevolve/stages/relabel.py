@@ -12,11 +12,13 @@ from qevolve.algos.relabel import relabel_step
 from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import Trajectory, read_store, write_store
+from qevolve.envs import check_tasks, make_env
 
 
 def relabel(params: Params, experts_dir: Path, collected_dir: Path, out: Path, metrics_path: Path) -> dict:
     cfg = params.relabel
     experts = read_store(experts_dir)
+    check_tasks(make_env(params.env), experts, str(experts_dir))
     if cfg.max_expert and len(experts) > cfg.max_expert:
         experts = random.Random(cfg.seed).sample(experts, cfg.max_expert)
     own = read_store(collected_dir)

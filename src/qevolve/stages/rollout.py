@@ -1,6 +1,9 @@
 """Play a policy on many tasks at once: one environment per slot, the policy batched across slots.
 
-A slot whose episode ends is refilled with the next task straight away, so the batch stays full.
+A slot whose episode ends is refilled with the next task straight away, so the batch stays full. An
+environment that raises (a crashed simulator) ends its episode as failed with reason `env_error: ...`
+and is replaced by a fresh one; the run goes on, and fails loudly only when more than
+`max_failure_ratio` of the episodes failed that way.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ import torch
 from tqdm import tqdm
 
 from qevolve.data.store import StepRecord, Trajectory
-from qevolve.envs.base import Task, TextEnv
+from qevolve.envs.base import ENV_ERROR, EnvironmentFailures, Task, TextEnv, env_failures
 from qevolve.models.policy import Actor
-from qevolve.models.prompt import parse_action
+from qevolve.models.prompt import clean_text, parse_action
 
 
 @dataclass
@@ -38,8 +41,10 @@ def play(
     batch_size: int,
     seed: int = 0,
     desc: str = "rollout",
+    max_failure_ratio: float = 0.0,
 ) -> list[Trajectory]:
-    """Roll `actor` out on every task; trajectories come back in the order of `tasks`."""
+    """Roll `actor` out on every task; trajectories come back in the order of `tasks`, those the
+    environment failed marked with `failure` = `env_error: <exception>` (see `env_failures`)."""
     generator = torch.Generator().manual_seed(seed)
     envs = [make_env() for _ in range(min(batch_size, len(tasks)))]
     queue = list(enumerate(tasks))
@@ -47,11 +52,29 @@ def play(
     results: dict[int, Trajectory] = {}
     bar = tqdm(total=len(tasks), desc=desc, unit="ep")
 
+    def fail(slot: int, index: int, traj: Trajectory, err: Exception) -> None:
+        traj.won, traj.failure = False, f"{ENV_ERROR}: {type(err).__name__}: {err}"[:300]
+        results[index] = traj
+        bar.update(1)
+        try:
+            envs[slot].close()
+        except Exception:  # noqa: BLE001 - a crashed environment may not close cleanly either
+            pass
+        envs[slot] = make_env()
+
     def start(slot: int) -> None:
-        index, task = queue.pop(0)
-        first = envs[slot].reset(task)
-        traj = Trajectory(uuid.uuid4().hex, task.id, task.type, task.split, source, first.instruction)
-        slots[slot] = (index, _Episode(task, traj, [first.text], first.admissible))
+        while queue:
+            index, task = queue.pop(0)
+            traj = Trajectory(uuid.uuid4().hex, task.id, task.type, task.split, source, "")
+            try:
+                first = envs[slot].reset(task)
+            except Exception as err:  # noqa: BLE001 - any simulator fault ends only this episode
+                fail(slot, index, traj, err)
+                continue
+            traj.instruction = first.instruction
+            slots[slot] = (index, _Episode(task, traj, [first.text], first.admissible))
+            return
+        slots[slot] = None
 
     try:
         for s in range(len(envs)):
@@ -63,33 +86,44 @@ def play(
             prompts = [actor.builder.prompt(e.traj.instruction, e.observations, e.outputs, reserve) for e in episodes]
             decisions = actor.act(prompts, [e.admissible for e in episodes], greedy, generator, slots=active)
             for s, ep, prompt, d in zip(active, episodes, prompts, decisions):
-                action, _ = parse_action(d.output)
+                output = clean_text(d.output)  # whatever the backend decoded, the store holds valid UTF-8
+                action, _ = parse_action(output)
                 if action is None:
                     obs, reward, done, won, valid, admissible = ep.observations[-1], 0.0, False, False, False, ep.admissible
                 else:
-                    r = envs[s].step(action)
+                    try:
+                        r = envs[s].step(action)
+                    except Exception as err:  # noqa: BLE001 - any simulator fault ends only this episode
+                        fail(s, slots[s][0], ep.traj, err)
+                        start(s)
+                        continue
                     obs, reward, done, won, valid, admissible = r.observation, r.reward, r.done, r.won, r.valid, r.admissible
                 ep.traj.steps.append(
                     StepRecord(
-                        step=len(ep.outputs), observation=ep.observations[-1], output=d.output, action=action,
+                        step=len(ep.outputs), observation=ep.observations[-1], output=output, action=action,
                         next_observation=obs, reward=reward, done=done, won=won, valid=valid,
                         logp=d.logp, prompt_tokens=len(prompt), output_tokens=d.output_tokens,
                     )
                 )
-                ep.outputs.append(d.output)
+                ep.outputs.append(output)
                 ep.observations.append(obs)
                 ep.admissible = admissible
                 if done or len(ep.outputs) >= max_steps:
                     ep.traj.won = won
                     ep.traj.failure = "" if won else ("done" if done else "max_steps")
                     results[slots[s][0]] = ep.traj
-                    slots[s] = None
                     bar.update(1)
                     bar.set_postfix(success=f"{sum(t.won for t in results.values())}/{len(results)}")
-                    if queue:
-                        start(s)
+                    start(s)
     finally:
         bar.close()
         for env in envs:
             env.close()
-    return [results[i] for i in range(len(tasks))]
+    trajs = [results[i] for i in range(len(tasks))]
+    failed = sum(env_failures(trajs).values())
+    if failed > max_failure_ratio * len(trajs):
+        raise EnvironmentFailures(
+            f"{desc}: the environment failed {failed} of {len(trajs)} episodes, more than env.max_failure_ratio = "
+            f"{max_failure_ratio}: {env_failures(trajs)}"
+        )
+    return trajs
