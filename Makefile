@@ -14,7 +14,7 @@ ifneq ($(LOCAL_ARCHIVE),)
 export QEVOLVE_ALFWORLD_ARCHIVE ?= $(abspath $(LOCAL_ARCHIVE))
 endif
 
-.PHONY: setup quickstart test test-all
+.PHONY: setup quickstart test test-slow test-all
 setup:
 	./scripts/setup.sh
 
@@ -23,6 +23,9 @@ quickstart: setup
 
 test: setup
 	PYTHONPATH=. .venv/bin/python -m pytest -m "not slow"
+
+test-slow: setup
+	PYTHONPATH=. .venv/bin/python -m pytest -m slow
 
 test-all: setup
 	PYTHONPATH=. .venv/bin/python -m pytest

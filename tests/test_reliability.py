@@ -142,3 +142,10 @@ def test_environment_crashes_fail_only_their_episode_up_to_the_failure_ratio(tin
     assert sum(f.startswith("env_error") for f in failures) == 2 and sum(t.won for t in trajs) == 2
     with pytest.raises(EnvironmentFailures, match=r"failed 2 of 4 episodes, more than env.max_failure_ratio = 0.25"):
         _play_flaky(tiny_tokenizer, Flaky(crash_steps=[1], crash_resets=[3]), ratio=0.25)
+
+
+def test_a_model_base_path_that_does_not_exist_is_refused(tmp_path):
+    from qevolve.models.base import write_pointer
+
+    with pytest.raises(ModelLoadError, match=r"model.base: path '/no/such/model' does not exist"):
+        write_pointer("/no/such/model", tmp_path)
