@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import workspace_params
+
 from qevolve.stages.critic import CriticItem, read_positions
 from qevolve.stages.training import pad_ids
 
@@ -58,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timings are the median of this many runs")
     args = ap.parse_args(argv)
 
-    from qevolve.config import load_params
     from qevolve.envs import make_env, select_tasks
     from qevolve.models.critic import load_critic
     from qevolve.models.policy import Actor
@@ -67,10 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from qevolve.stages.rollout import play
 
     ws = args.workspace
-    for need in ("params.yaml", "models/base", "models/bc"):
-        if not (ws / need).exists():
-            sys.exit(f"{ws / need}: missing; run `make quickstart` first (or pass --workspace)")
-    params = load_params(ws / "params.yaml")
+    params = workspace_params(ws)
     critic, tok = load_critic(ws / "models/base", params.model, ws / "models/bc")
     torch.manual_seed(0)
     for head in (critic.v, critic.q):  # random heads, so that equal values mean something

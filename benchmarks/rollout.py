@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import workspace_params
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -27,17 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     args = ap.parse_args(argv)
 
-    from qevolve.config import load_params
     from qevolve.envs import make_env, select_tasks
     from qevolve.models.policy import Actor, load_policy
     from qevolve.stages.bc import make_builder
     from qevolve.stages.rollout import play
 
     ws = args.workspace
-    for need in ("params.yaml", "models/base", "models/bc"):
-        if not (ws / need).exists():
-            sys.exit(f"{ws / need}: missing; run `make quickstart` first (or pass --workspace)")
-    params = load_params(ws / "params.yaml")
+    params = workspace_params(ws)
     model, tok = load_policy(ws / "models/base", params.model, adapter=ws / "models/bc")
     builder = make_builder(params, tok, ws / "models/bc")
     tasks = select_tasks(make_env(params.env), "valid_seen", params.env, args.episodes, 0)

@@ -104,7 +104,7 @@ class PromptConfig(Section):
     repeat_task: bool = False
     """Repeat the task after every observation, not only the first: a small model trained from scratch
     then matches the goal object against what it sees in a few tokens rather than across the history."""
-    max_observation_tokens: int = Field(256, gt=0)
+    max_observation_tokens: int = Field(1024, gt=0)
     """An observation longer than this is cut to it (a warning, counted as `truncated_observations` in
     the stage's metrics), so one runaway observation cannot crowd out the history."""
 
@@ -197,9 +197,10 @@ class AdvantageConfig(Section):
 
 
 class BCConfig(TrainConfig):
-    pack: bool = True
+    pack: bool = False
     """Pack each micro-batch's windows into rows of at most `model.context_tokens` tokens, each window
-    attending only to itself (padding-free); false pads every window to the micro-batch's longest."""
+    attending only to itself (padding-free). Off by default: on a CPU the length-bucketed batches every
+    trainer uses are as fast (`benchmarks/train.py`); packing pays with flash-attention on a GPU."""
 
 
 class EvaluateConfig(Section):
