@@ -187,13 +187,16 @@ def _results(ws) -> dict:
 
 
 @pytest.mark.slow
-def test_kills_during_rollout_stages_resume_to_the_same_results(tmp_path, alfworld_data):
-    """SIGKILL in collect@1 and in evaluate@1 (rollouts restart their stage; training stages resume inside
-    it, see the test above): the finished evolution's metrics equal those of an uninterrupted one."""
+def test_kills_during_every_stage_kind_resume_to_the_same_results(tmp_path, alfworld_data):
+    """SIGKILL in each stage kind of an iteration: collect@1, critic@1 and policy@1 mid-training, and
+    evaluate@1. Rollout stages restart, training stages resume from their checkpoint; the finished
+    evolution's metrics (curves included) equal those of an uninterrupted one exactly."""
     clean = _workspace(tmp_path / "clean")
     _finish(_flow(clean))
     ws = _workspace(tmp_path / "killed")
     _kill_when_recorded(ws, "collect@1", before="evaluate@0")
+    _kill_mid_training(ws, "critic@1")
+    assert "critic: resuming from the checkpoint" in _kill_mid_training(ws, "policy@1")
     _kill_when_recorded(ws, "evaluate@1", before="policy@1")
     out = _finish(_flow(ws))
     assert _stages_run(out) == "stages run: evaluate@1"

@@ -144,6 +144,32 @@ def _memoize_grounding() -> None:
     fast_downward.pddl2sas = pddl2sas
 
 
+def _memoize_text_parsing() -> None:
+    """Parse each of TextWorld's text-generation templates and logic expressions once.
+
+    Every step re-parses the same template strings with a PEG parser (tatsu), which is most of a step's
+    cost. The parse is a pure function of its arguments; callers mutate the symbols they get back, so
+    each call gets a deep copy of the cached result. Idempotent; applied once per process."""
+    import copy
+
+    from textworld import logic as tw_logic
+    from textworld.envs.pddl import textgen
+
+    for module in (textgen, tw_logic):
+        parse = module._parse_and_convert
+        if getattr(parse, "_qevolve_cached", False):
+            continue
+
+        def cached(*args, _parse=parse, _cache={}, **kwargs):
+            key = (args, tuple(sorted(kwargs.items())))
+            if key not in _cache:
+                _cache[key] = _parse(*args, **kwargs)
+            return copy.deepcopy(_cache[key])
+
+        cached._qevolve_cached = True
+        module._parse_and_convert = cached
+
+
 class AlfworldEnv:
     """One TextWorld environment, reused across games. Not thread-safe; one per worker."""
 
@@ -179,6 +205,7 @@ class AlfworldEnv:
             raise AlfworldDataError(f"{game}: game file missing for task {task.id!r}")
         if self._env is None:
             _memoize_grounding()
+            _memoize_text_parsing()
             extras = ["gamefile"] + (["expert_plan"] if self.expert == "handcoded" else [])
             infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=extras)
             self._env = textworld.start(str(game), request_infos=infos, wrappers=self._wrappers())

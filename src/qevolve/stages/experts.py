@@ -25,8 +25,12 @@ def _init_worker(params: Params) -> None:
     _worker_params = params
 
 
-def demonstrate(env, task: Task, max_steps: int) -> Trajectory:
-    """Play the expert on one task; the trajectory records whether it won."""
+def demonstrate(env, task: Task, max_steps: int, seed: int = 0) -> Trajectory:
+    """Play the expert on one task; the trajectory records whether it won.
+
+    ALFWorld's handcoded expert breaks ties with Python's global `random`; it is seeded per task, so a
+    demonstration does not depend on which worker played it or what it played before."""
+    random.seed(f"{seed}:{task.split}/{task.id}")
     first = env.reset(task)
     traj = Trajectory(uuid.uuid4().hex, task.id, task.type, task.split, "expert", first.instruction)
     obs = first.text
@@ -56,7 +60,7 @@ def _demonstrate_in_worker(args: tuple[str, Task, int]) -> Trajectory:
     if kind not in _worker_envs:  # one environment per expert kind, reused across tasks
         _worker_envs[kind] = make_env(_worker_params.env, expert=kind)
     try:
-        return demonstrate(_worker_envs[kind], task, max_steps)
+        return demonstrate(_worker_envs[kind], task, max_steps, _worker_params.experts.seed)
     except Exception as err:  # noqa: BLE001 - a crashed simulator fails this demonstration only
         _worker_envs.pop(kind).close()
         traj = Trajectory(uuid.uuid4().hex, task.id, task.type, task.split, "expert", "")
