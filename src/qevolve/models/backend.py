@@ -49,6 +49,9 @@ class HFBackend:
 
     def __init__(self, model, pad_id: int, reuse: bool = True):
         self.model, self.pad_id, self.reuse = model, pad_id, reuse
+        # The transformer body and the LM head apart: logits are computed only where they are read.
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.body, self.head = base.base_model, model.get_output_embeddings()
         self._cache: dict[int, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         self.encoded_tokens = 0
         """Tokens run through the model so far (prompts, candidates and generated tokens)."""
@@ -78,7 +81,7 @@ class HFBackend:
         prompt and its own earlier tokens only) in one pass, and update the slots' caches to hold exactly
         their prompt.
 
-        Returns (logits (B, Q, V), layout, cache, valid): layout[b] = (suffix length, segment starts) in
+        Returns (hidden states (B, Q, H), layout, cache, valid): layout[b] = (suffix length, segment starts) in
         query positions; `cache` holds the batch's keys and values (`past` padded cached positions, then
         the Q query positions) and `valid` (B, past + Q) marks the real prompt tokens in it.
         """
@@ -124,26 +127,30 @@ class HFBackend:
                         v[b, :, past - n :] = kv[layer][1][0, :, :n]
                 layers.append((k, v))
             cache = DynamicCache(ddp_cache_data=layers)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+        out = self.body(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
         self.encoded_tokens += sum(map(len, queries))
         if self.reuse:
             for b, (slot, p, (n, _), (s, _)) in enumerate(zip(slots, prompts, reused, layout)):
                 kv = [(l.keys[b : b + 1, :, past - n : past + s].clone(), l.values[b : b + 1, :, past - n : past + s].clone()) for l in cache.layers]
                 self._cache[slot] = (list(p), kv)
-        return out.logits, layout, cache, valid
+        return out.last_hidden_state, layout, cache, valid
 
     def score(self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]) -> list[torch.Tensor]:
-        logits, layout, _, _ = self._forward(slots, prompts, candidates)
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        out = []
+        hidden, layout, _, _ = self._forward(slots, prompts, candidates)
+        rows, at, targets, owner = [], [], [], []  # owner: (row, candidate) of each scored token
         for b, ((s, starts), cands) in enumerate(zip(layout, candidates)):
-            scores = torch.empty(len(cands))
             for j, (start, c) in enumerate(zip(starts, cands)):
                 # token i of a candidate is predicted at the position before it: the prompt's last token
                 # for i = 0, else the candidate's own previous token
-                at = torch.tensor([s - 1] + list(range(start, start + len(c) - 1)))
-                scores[j] = logp[b, at, torch.tensor(c)].sum()
-            out.append(scores)
+                at += [s - 1] + list(range(start, start + len(c) - 1))
+                rows += [b] * len(c)
+                targets += c
+                owner += [(b, j)] * len(c)
+        logp = torch.log_softmax(self.head(hidden[torch.tensor(rows), torch.tensor(at)]).float(), dim=-1)
+        token_logp = logp.gather(-1, torch.tensor(targets)[:, None])[:, 0]
+        out = [torch.zeros(len(cands)) for cands in candidates]
+        for (b, j), lp in zip(owner, token_logp.tolist()):
+            out[b][j] += lp
         return out
 
     @torch.no_grad()
@@ -151,9 +158,9 @@ class HFBackend:
         self, slots: list[int], prompts: list[list[int]], *, max_new_tokens: int, stop: StopRule,
         greedy: bool, temperature: float, generator: torch.Generator | None = None,
     ) -> list[tuple[list[int], float]]:
-        logits, layout, cache, valid = self._forward(slots, prompts, [[] for _ in prompts])
+        hidden, layout, cache, valid = self._forward(slots, prompts, [[] for _ in prompts])
         B = len(prompts)
-        last = torch.stack([logits[b, s - 1] for b, (s, _) in enumerate(layout)])  # (B, V)
+        last = self.head(torch.stack([hidden[b, s - 1] for b, (s, _) in enumerate(layout)]))  # (B, V)
         pos = torch.tensor([len(p) for p in prompts])
         tokens: list[list[int]] = [[] for _ in range(B)]
         logps = [0.0] * B
@@ -170,8 +177,8 @@ class HFBackend:
                 break
             valid = torch.cat([valid, torch.tensor(running)[:, None]], dim=-1)
             mask = valid[:, None, None, :] | (torch.arange(valid.shape[1]) == valid.shape[1] - 1)  # (B, 1, 1, L)
-            out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None], cache=cache, use_cache=True)
+            out = self.body(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None], cache=cache, use_cache=True)
             self.encoded_tokens += sum(running)
             pos = pos + 1
-            last = out.logits[:, -1]
+            last = self.head(out.last_hidden_state[:, -1])
         return list(zip(tokens, logps))
