@@ -135,6 +135,7 @@ class HFBackend:
                 self._cache[slot] = (list(p), kv)
         return out.last_hidden_state, layout, cache, valid
 
+    @torch.no_grad()
     def score(self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]) -> list[torch.Tensor]:
         hidden, layout, _, _ = self._forward(slots, prompts, candidates)
         rows, at, targets, owner = [], [], [], []  # owner: (row, candidate) of each scored token
