@@ -61,8 +61,8 @@ def test_stages_do_not_import_orchestration():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def _workspace(tmp_path):
-    """A git checkout of the repository's tracked files, with tiny parameters."""
+def _workspace(tmp_path, **extra):
+    """A git checkout of the repository's tracked files, with tiny parameters (and `extra` sections)."""
     ws = tmp_path / "ws"
     subprocess.run(["git", "clone", "-q", str(REPO), str(ws)], check=True)
     # Copy tracked files from the working tree too, so the test sees uncommitted edits.
@@ -71,7 +71,7 @@ def _workspace(tmp_path):
         if (REPO / rel).is_file():
             shutil.copyfile(REPO / rel, ws / rel)
     params = yaml.safe_load((ws / "params.yaml").read_text())
-    for section, values in TINY.items():
+    for section, values in {**TINY, **extra}.items():
         params.setdefault(section, {}).update(values)
     (ws / "params.yaml").write_text(yaml.safe_dump(params))
     return ws
@@ -153,16 +153,15 @@ def test_flow_end_to_end_resumes_after_kill_and_leaves_dvc_clean(tmp_path, alfwo
     assert "| step | action | aux | reason | A |" in credit
 
 
-def _kill_when_recorded(ws, stage: str, before: str) -> None:
-    """Start the flow and SIGKILL it once `before` is in dvc.lock, i.e. while `stage` runs."""
+def _kill_after(ws, stage: str, previous_output: str) -> None:
+    """Start the flow and SIGKILL it a few seconds after the stage before `stage` wrote its output
+    (written atomically, and not tracked in git), i.e. while `stage` runs."""
     proc = _flow(ws)
+    done = ws / previous_output
     deadline = time.time() + 500
-    while time.time() < deadline and proc.poll() is None:
-        lock = ws / "dvc.lock"
-        if lock.exists() and before in (yaml.safe_load(lock.read_text()) or {}).get("stages", {}):
-            break
+    while time.time() < deadline and proc.poll() is None and not done.exists():
         time.sleep(0.1)
-    time.sleep(3)  # well inside the stage
+    time.sleep(3)  # inside the stage: loading the policy and resetting environments alone take longer
     assert proc.poll() is None, proc.communicate()[0][-3000:]
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
@@ -191,13 +190,15 @@ def test_kills_during_every_stage_kind_resume_to_the_same_results(tmp_path, alfw
     """SIGKILL in each stage kind of an iteration: collect@1, critic@1 and policy@1 mid-training, and
     evaluate@1. Rollout stages restart, training stages resume from their checkpoint; the finished
     evolution's metrics (curves included) equal those of an uninterrupted one exactly."""
-    clean = _workspace(tmp_path / "clean")
+    # rollout stages long enough (10-20 s) that a kill 3 s after the previous stage lands inside them
+    longer = {"collect": {**TINY["collect"], "num_tasks": 6}, "evaluate": {**TINY["evaluate"], "splits": {"valid_seen": 6, "valid_unseen": 4}}}
+    clean = _workspace(tmp_path / "clean", **longer)
     _finish(_flow(clean))
-    ws = _workspace(tmp_path / "killed")
-    _kill_when_recorded(ws, "collect@1", before="evaluate@0")
+    ws = _workspace(tmp_path / "killed", **longer)
+    _kill_after(ws, "collect@1", "data/evaluate@0")
     _kill_mid_training(ws, "critic@1")
     assert "critic: resuming from the checkpoint" in _kill_mid_training(ws, "policy@1")
-    _kill_when_recorded(ws, "evaluate@1", before="policy@1")
+    _kill_after(ws, "evaluate@1", "models/policy@1")
     out = _finish(_flow(ws))
     assert _stages_run(out) == "stages run: evaluate@1"
     assert _results(ws) == _results(clean)
