@@ -200,7 +200,8 @@ class BCConfig(TrainConfig):
     pack: bool = False
     """Pack each micro-batch's windows into rows of at most `model.context_tokens` tokens, each window
     attending only to itself (padding-free). Off by default: on a CPU the length-bucketed batches every
-    trainer uses are as fast (`benchmarks/train.py`); packing pays with flash-attention on a GPU."""
+    trainer uses are as fast (`benchmarks/train.py`); packing is meant for GPUs with variable-length
+    attention kernels (not measured here)."""
 
 
 class EvaluateConfig(Section):
