@@ -47,9 +47,9 @@ def per_step_values(critic, items: list[CriticItem], pad_id: int, batch_size: in
 
 
 def max_difference(a: dict, b: dict) -> float:
-    diffs = [abs(x - y) for t in a for s in a[t] for x, y in zip(a[t][s], b[t][s]) if x == x]  # x == x skips NaN
-    assert a.keys() == b.keys() and all(a[t].keys() == b[t].keys() for t in a)
-    return max(diffs)
+    if a.keys() != b.keys() or any(a[t].keys() != b[t].keys() for t in a):
+        raise ValueError("the two value tables cover different trajectories or steps")
+    return max(abs(x - y) for t in a for s in a[t] for x, y in zip(a[t][s], b[t][s]) if x == x)  # x == x skips NaN
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,10 @@ class WorkspaceBusy(RuntimeError):
     pass
 
 
+_held: dict[Path, int] = {}
+"""Lock file -> nesting depth of the locks this process holds on it."""
+
+
 @contextmanager
 def workspace_lock(root: Path | str, what: str) -> Iterator[None]:
     """Hold the workspace lock while the block runs; raise `WorkspaceBusy` at once if another process has it.
@@ -58,9 +62,6 @@ def workspace_lock(root: Path | str, what: str) -> Iterator[None]:
             os.ftruncate(fd, 0)
     finally:
         os.close(fd)  # closing releases the flock
-
-
-_held: dict[Path, int] = {}
 
 
 def _holder(path: Path) -> str:

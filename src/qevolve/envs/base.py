@@ -62,6 +62,11 @@ class EnvironmentFailures(RuntimeError):
     """More episodes failed in the environment itself than `env.max_failure_ratio` allows."""
 
 
+def env_error(err: Exception) -> str:
+    """The `failure` of an episode the environment failed by raising `err`."""
+    return f"{ENV_ERROR}: {type(err).__name__}: {err}"[:300]
+
+
 def env_failures(trajs: list) -> dict[str, int]:
     """Failure reason -> episodes the environment failed (not the policy)."""
     out: dict[str, int] = {}
@@ -69,3 +74,14 @@ def env_failures(trajs: list) -> dict[str, int]:
         if t.failure.startswith(ENV_ERROR):
             out[t.failure] = out.get(t.failure, 0) + 1
     return out
+
+
+def check_env_failures(trajs: list, max_ratio: float, what: str) -> tuple[list, int]:
+    """(the episodes the environment did not fail, how many it failed); raise `EnvironmentFailures`
+    when that is more than `max_ratio` of them."""
+    failures = env_failures(trajs)
+    failed = sum(failures.values())
+    if failed > max_ratio * len(trajs):
+        raise EnvironmentFailures(f"{what}: the environment failed {failed} of {len(trajs)} episodes, more than "
+                                  f"env.max_failure_ratio = {max_ratio}: {failures}")
+    return [t for t in trajs if not t.failure.startswith(ENV_ERROR)], failed

@@ -11,7 +11,7 @@ from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import write_store
 from qevolve.envs import make_env, select_tasks
-from qevolve.envs.base import ENV_ERROR, env_failures
+from qevolve.envs.base import check_env_failures, env_failures
 from qevolve.models.policy import Actor, load_policy
 from qevolve.stages.bc import make_builder
 from qevolve.stages.rollout import play
@@ -33,7 +33,7 @@ def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics
         seed=cfg.seed + iteration, desc=f"collect@{iteration}", max_failure_ratio=params.env.max_failure_ratio,
     )
     failures = env_failures(trajs)
-    trajs = [t for t in trajs if not t.failure.startswith(ENV_ERROR)]
+    trajs, _ = check_env_failures(trajs, params.env.max_failure_ratio, f"collect@{iteration}")
     write_store(out, trajs)
     env_steps = sum(len(t.steps) for t in trajs)
     before = json.loads(Path(previous_metrics).read_text())

@@ -11,7 +11,7 @@ from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import Trajectory, write_store
 from qevolve.envs import make_env, select_tasks
-from qevolve.envs.base import ENV_ERROR, env_failures
+from qevolve.envs.base import check_env_failures
 from qevolve.models.policy import Actor, load_policy
 from qevolve.stages.bc import make_builder
 from qevolve.stages.rollout import play
@@ -50,8 +50,7 @@ def evaluate(params: Params, base_dir: Path, policy_dir: Path, out: Path, metric
             source=f"policy@{iteration}", batch_size=cfg.batch_size, seed=cfg.seed, desc=f"evaluate {split}",
             max_failure_ratio=params.env.max_failure_ratio,
         )
-        failures = sum(env_failures(trajs).values())
-        trajs = [t for t in trajs if not t.failure.startswith(ENV_ERROR)]
+        trajs, failures = check_env_failures(trajs, params.env.max_failure_ratio, f"evaluate {split}")
         metrics[split] = {**episode_metrics(trajs), "cumulative_env_steps": spent, "truncated_observations": len(actor.builder.truncated) - cut,
                           "env_failures": failures}
         all_trajs += trajs

@@ -13,7 +13,7 @@ from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import StepRecord, Trajectory, write_store
 from qevolve.envs import Task, make_env, select_tasks
-from qevolve.envs.base import ENV_ERROR, EnvironmentFailures, env_failures
+from qevolve.envs.base import check_env_failures, env_error
 from qevolve.models.prompt import format_action
 
 _worker_params: Params | None = None
@@ -64,7 +64,7 @@ def _demonstrate_in_worker(args: tuple[str, Task, int]) -> Trajectory:
     except Exception as err:  # noqa: BLE001 - a crashed simulator fails this demonstration only
         _worker_envs.pop(kind).close()
         traj = Trajectory(uuid.uuid4().hex, task.id, task.type, task.split, "expert", "")
-        traj.failure = f"{ENV_ERROR}: {type(err).__name__}: {err}"[:300]
+        traj.failure = env_error(err)
         return traj
 
 
@@ -77,10 +77,7 @@ def experts(params: Params, out: Path, metrics_path: Path) -> dict:
     with mp.get_context("spawn").Pool(min(cfg.workers, len(jobs)), _init_worker, (params,)) as pool:
         trajs = list(tqdm(pool.imap(_demonstrate_in_worker, jobs), total=len(jobs), desc="experts", unit="ep"))
     won = [t for t in trajs if t.won]
-    failed = sum(env_failures(trajs).values())
-    if failed > params.env.max_failure_ratio * len(trajs):
-        raise EnvironmentFailures(f"experts: the environment failed {failed} of {len(trajs)} demonstrations, more than "
-                                  f"env.max_failure_ratio = {params.env.max_failure_ratio}: {env_failures(trajs)}")
+    _, failed = check_env_failures(trajs, params.env.max_failure_ratio, "experts")
     write_store(out, won)
     metrics = {
         "episodes": len(trajs),

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from qevolve.data.store import StepRecord, Trajectory
-from qevolve.envs.base import ENV_ERROR, EnvironmentFailures, Task, TextEnv, env_failures
+from qevolve.envs.base import Task, TextEnv, check_env_failures, env_error
 from qevolve.models.policy import Actor
 from qevolve.models.prompt import clean_text, parse_action
 
@@ -53,7 +53,7 @@ def play(
     bar = tqdm(total=len(tasks), desc=desc, unit="ep")
 
     def fail(slot: int, index: int, traj: Trajectory, err: Exception) -> None:
-        traj.won, traj.failure = False, f"{ENV_ERROR}: {type(err).__name__}: {err}"[:300]
+        traj.won, traj.failure = False, env_error(err)
         results[index] = traj
         bar.update(1)
         try:
@@ -120,10 +120,5 @@ def play(
         for env in envs:
             env.close()
     trajs = [results[i] for i in range(len(tasks))]
-    failed = sum(env_failures(trajs).values())
-    if failed > max_failure_ratio * len(trajs):
-        raise EnvironmentFailures(
-            f"{desc}: the environment failed {failed} of {len(trajs)} episodes, more than env.max_failure_ratio = "
-            f"{max_failure_ratio}: {env_failures(trajs)}"
-        )
+    check_env_failures(trajs, max_failure_ratio, desc)
     return trajs
