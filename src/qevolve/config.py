@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -21,34 +21,61 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+ENVIRONMENTS = {
+    # name: (its experts, whether it lists the valid actions that `policy.action_mode: admissible` needs)
+    "alfworld": (("handcoded", "walkthrough"), True),
+    "scienceworld": (("gold",), True),
+    "webshop": (("gold",), True),
+    "textcraft": (("planner",), False),
+}
+
+
 class EnvConfig(Section):
-    name: Literal["alfworld"] = "alfworld"
-    """Environment adapter (more arrive with the environments issue)."""
+    name: Literal["alfworld", "scienceworld", "webshop", "textcraft"] = "alfworld"
+    """Environment adapter (`profiles/` holds a ready params file for each)."""
     task_types: list[str] = Field(default_factory=list)
-    """Restrict tasks to these types (ALFWorld: `pick_and_place_simple`, ...); empty = all."""
+    """Restrict tasks to these types (ALFWorld: `pick_and_place_simple`, ...; ScienceWorld: task names;
+    TextCraft: `depth2`..; WebShop: product category); empty = all."""
     max_steps: int = Field(40, gt=0)
-    """Episode step cap for the policy."""
+    """Episode step cap for the policy. Where the environment sets a step limit per task (ScienceWorld's
+    `max_steps.json`), an episode ends at the smaller of the two."""
     max_failure_ratio: float = Field(0.1, ge=0, le=1)
     """A stage goes on when the environment itself fails an episode (a crash: counted as `env_failures`
     in its metrics, the episode dropped), and fails only when more than this share of its episodes did."""
+    processes: bool = True
+    """Run each environment in its own worker process: environments step in parallel, and a crashed or
+    hung simulator costs one episode attempt. False runs them in this process, one after another."""
+    step_timeout: float = Field(60.0, gt=0)
+    """Seconds a worker may take for one call (reset, step) before it is killed (`processes` only)."""
+    start_timeout: float = Field(300.0, gt=0)
+    """Seconds a new worker may take to start its simulator and answer its first call."""
+    retries: int = Field(2, ge=0)
+    """Times an episode whose environment failed is restarted from its first step on a fresh environment
+    before it is recorded as failed (`failure = env_error: ...`)."""
+    data_dir: str = ""
+    """Where the environment's data lives, if it needs any (WebShop: the folder with the catalogue and
+    goal files; empty = `$WEBSHOP_DATA`). ALFWorld uses its own `ALFWORLD_DATA`."""
 
     @field_validator("task_types")
     @classmethod
-    def _known_types(cls, v: list[str]) -> list[str]:
-        from qevolve.envs.alfworld import TASK_TYPES
+    def _known_types(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        if info.data.get("name") == "alfworld":  # the other environments' types are checked when tasks are listed
+            from qevolve.envs.alfworld import TASK_TYPES
 
-        bad = [t for t in v if t not in TASK_TYPES]
-        if bad:
-            raise ValueError(f"unknown task type(s) {bad}; expected some of {list(TASK_TYPES)}")
+            bad = [t for t in v if t not in TASK_TYPES]
+            if bad:
+                raise ValueError(f"unknown task type(s) {bad}; expected some of {list(TASK_TYPES)}")
         return v
 
 
 class ExpertsConfig(Section):
     split: str = "train"
     """Split the expert demonstrations come from."""
-    demos: dict[Literal["handcoded", "walkthrough"], int] = Field(default_factory=lambda: {"handcoded": 40}, min_length=1)
+    demos: dict[str, int] = Field(default_factory=lambda: {"handcoded": 40}, min_length=1)
     """Expert -> how many train tasks it demonstrates. ALFWorld's `handcoded` expert searches the way a
-    person does; `walkthrough` follows the game's omniscient gold path. The tasks are drawn once (with
+    person does; `walkthrough` follows the game's omniscient gold path. ScienceWorld's `gold` is its gold
+    action path; WebShop's `gold` searches, opens and buys the goal product with its options; TextCraft's
+    `planner` plans the crafting tree from the listed recipes. The tasks are drawn once (with
     `seed`) and each expert takes the first n of that draw, so a smaller set is part of a larger one."""
     max_steps: int = Field(60, gt=0)
     """Step cap for the expert; episodes it does not win are dropped and counted."""
@@ -242,6 +269,16 @@ class Params(Section):
     evaluate: EvaluateConfig = EvaluateConfig()
     mlflow: MlflowConfig = MlflowConfig()
     evolve: EvolveConfig = EvolveConfig()
+
+    @model_validator(mode="after")
+    def _fits_env(self) -> "Params":
+        experts, lists_actions = ENVIRONMENTS[self.env.name]
+        unknown = sorted(set(self.experts.demos) - set(experts))
+        if unknown:
+            raise ValueError(f"experts.demos: {self.env.name} has no expert(s) {unknown}; expected some of {list(experts)}")
+        if self.policy.action_mode == "admissible" and not lists_actions:
+            raise ValueError(f"policy.action_mode: {self.env.name} does not list valid actions; use `free`")
+        return self
 
 
 def _format_errors(path: Path | str, err: ValidationError) -> str:

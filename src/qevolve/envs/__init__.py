@@ -10,12 +10,30 @@ from qevolve.envs.base import Observation, Step, Task, TextEnv
 __all__ = ["Observation", "Step", "Task", "TextEnv", "check_tasks", "make_env", "select_tasks"]
 
 
-def make_env(cfg: EnvConfig, expert: str | None = None) -> TextEnv:
-    """An environment; `expert` names the expert whose `expert_action` it answers (None: no expert)."""
+def make_env(cfg: EnvConfig, expert: str | None = None, *, worker: bool = False) -> TextEnv:
+    """An environment; `expert` names the expert whose `expert_action` it answers (None: no expert).
+    `worker`: run it in its own process (`EnvWorker`). Constructing one is cheap everywhere: a simulator
+    starts at the first reset, so listing tasks costs no JVM or game load."""
+    if worker:
+        from qevolve.envs.worker import EnvWorker
+
+        return EnvWorker(cfg, expert)
     if cfg.name == "alfworld":
         from qevolve.envs.alfworld import AlfworldEnv
 
         return AlfworldEnv(expert=expert)
+    if cfg.name == "scienceworld":
+        from qevolve.envs.scienceworld import ScienceWorldEnv
+
+        return ScienceWorldEnv(expert=expert)
+    if cfg.name == "textcraft":
+        from qevolve.envs.textcraft import TextCraftEnv
+
+        return TextCraftEnv()
+    if cfg.name == "webshop":
+        from qevolve.envs.webshop import WebShopEnv
+
+        return WebShopEnv(cfg.data_dir or None)
     raise ValueError(f"env.name: unknown environment {cfg.name!r}")
 
 

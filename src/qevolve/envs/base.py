@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 
@@ -13,6 +16,8 @@ class Task:
     split: str
     type: str
     """Task family, e.g. ALFWorld's `pick_and_place_simple`."""
+    max_steps: int = 0
+    """The environment's own step limit for this task (ScienceWorld's `max_steps.json`); 0 = none."""
 
 
 @dataclass
@@ -85,3 +90,25 @@ def check_env_failures(trajs: list, max_ratio: float, what: str) -> tuple[list, 
         raise EnvironmentFailures(f"{what}: the environment failed {failed} of {len(trajs)} episodes, more than "
                                   f"env.max_failure_ratio = {max_ratio}: {failures}")
     return [t for t in trajs if not t.failure.startswith(ENV_ERROR)], failed
+
+
+def splits_dir(env: str) -> Path:
+    """The folder with `env`'s standard split files (ScienceWorld's `*_indices.json` and `max_steps.json`,
+    WebShop's goal indices): `$QEVOLVE_SPLITS/<env>`, by default `../shared/data/splits/<env>` beside the
+    repository (`docs/environments.md` says where to get them)."""
+    root = os.environ.get("QEVOLVE_SPLITS") or Path(__file__).resolve().parents[3].parent / "shared" / "data" / "splits"
+    folder = Path(root) / env
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no {env} split files here; set QEVOLVE_SPLITS to the folder that holds {env}/ "
+                                f"(see docs/environments.md)")
+    return folder
+
+
+def read_split_file(path: Path):
+    """A JSON split file, or an error naming the file."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: split file missing") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON: {err}") from None

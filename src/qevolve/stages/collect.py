@@ -14,7 +14,7 @@ from qevolve.envs import make_env, select_tasks
 from qevolve.envs.base import check_env_failures, env_failures
 from qevolve.models.policy import Actor, load_policy
 from qevolve.stages.bc import make_builder
-from qevolve.stages.rollout import play
+from qevolve.stages.rollout import play_in
 
 
 def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics_path: Path, iteration: int, previous_metrics: Path) -> dict:
@@ -27,10 +27,9 @@ def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics
     model, tok = load_policy(base_dir, params.model, adapter=policy_dir)
     actor = Actor(model, tok, make_builder(params, tok, policy_dir), params.policy.action_mode, params.policy.temperature, params.policy.max_new_tokens)
     tasks = select_tasks(make_env(params.env), cfg.split, params.env, cfg.num_tasks, cfg.seed + iteration)
-    trajs = play(
-        lambda: make_env(params.env), [t for t in tasks for _ in range(cfg.samples_per_task)], actor,
-        max_steps=params.env.max_steps, greedy=False, source=f"policy@{iteration - 1}", batch_size=cfg.batch_size,
-        seed=cfg.seed + iteration, desc=f"collect@{iteration}", max_failure_ratio=params.env.max_failure_ratio,
+    trajs = play_in(
+        params.env, [t for t in tasks for _ in range(cfg.samples_per_task)], actor, greedy=False,
+        source=f"policy@{iteration - 1}", batch_size=cfg.batch_size, seed=cfg.seed + iteration, desc=f"collect@{iteration}",
     )
     failures = env_failures(trajs)
     trajs, _ = check_env_failures(trajs, params.env.max_failure_ratio, f"collect@{iteration}")

@@ -14,7 +14,7 @@ from qevolve.envs import make_env, select_tasks
 from qevolve.envs.base import check_env_failures
 from qevolve.models.policy import Actor, load_policy
 from qevolve.stages.bc import make_builder
-from qevolve.stages.rollout import play
+from qevolve.stages.rollout import play_in
 
 
 def episode_metrics(trajs: list[Trajectory]) -> dict:
@@ -45,10 +45,9 @@ def evaluate(params: Params, base_dir: Path, policy_dir: Path, out: Path, metric
     for split, count in cfg.splits.items():
         cut = len(actor.builder.truncated)
         tasks = select_tasks(lister, split, params.env, count, cfg.seed)
-        trajs = play(
-            lambda: make_env(params.env), tasks, actor, max_steps=params.env.max_steps, greedy=True,
-            source=f"policy@{iteration}", batch_size=cfg.batch_size, seed=cfg.seed, desc=f"evaluate {split}",
-            max_failure_ratio=params.env.max_failure_ratio,
+        trajs = play_in(
+            params.env, tasks, actor, greedy=True, source=f"policy@{iteration}", batch_size=cfg.batch_size,
+            seed=cfg.seed, desc=f"evaluate {split}",
         )
         trajs, failures = check_env_failures(trajs, params.env.max_failure_ratio, f"evaluate {split}")
         metrics[split] = {**episode_metrics(trajs), "cumulative_env_steps": spent, "truncated_observations": len(actor.builder.truncated) - cut,

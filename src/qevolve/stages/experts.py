@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import random
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tqdm import tqdm
@@ -16,21 +16,12 @@ from qevolve.envs import Task, make_env, select_tasks
 from qevolve.envs.base import check_env_failures, env_error
 from qevolve.models.prompt import format_action
 
-_worker_params: Params | None = None
-_worker_envs: dict[str, object] = {}
-
-
-def _init_worker(params: Params) -> None:
-    global _worker_params
-    _worker_params = params
-
-
 def demonstrate(env, task: Task, max_steps: int, seed: int = 0) -> Trajectory:
     """Play the expert on one task; the trajectory records whether it won.
 
     ALFWorld's handcoded expert breaks ties with Python's global `random`; it is seeded per task, so a
     demonstration does not depend on which worker played it or what it played before."""
-    random.seed(f"{seed}:{task.split}/{task.id}")
+    getattr(env, "seed_random", random.seed)(f"{seed}:{task.split}/{task.id}")  # in the env's process
     first = env.reset(task)
     traj = Trajectory(uuid.uuid4().hex, task.id, task.type, task.split, "expert", first.instruction)
     obs = first.text
@@ -55,17 +46,29 @@ def demonstrate(env, task: Task, max_steps: int, seed: int = 0) -> Trajectory:
     return traj
 
 
-def _demonstrate_in_worker(args: tuple[str, Task, int]) -> Trajectory:
-    kind, task, max_steps = args
-    if kind not in _worker_envs:  # one environment per expert kind, reused across tasks
-        _worker_envs[kind] = make_env(_worker_params.env, expert=kind)
+def _demonstrate_all(params: Params, kind: str, tasks: list[Task], bar) -> list[Trajectory]:
+    """One expert's demonstrations, on one environment that is replaced (and its episode restarted, up to
+    `env.retries` times) whenever it fails."""
+    cfg = params.env
+    env = make_env(cfg, expert=kind, worker=cfg.processes)
+    out = []
     try:
-        return demonstrate(_worker_envs[kind], task, max_steps, _worker_params.experts.seed)
-    except Exception as err:  # noqa: BLE001 - a crashed simulator fails this demonstration only
-        _worker_envs.pop(kind).close()
-        traj = Trajectory(uuid.uuid4().hex, task.id, task.type, task.split, "expert", "")
-        traj.failure = env_error(err)
-        return traj
+        for task in tasks:
+            for attempt in range(cfg.retries + 1):
+                try:
+                    traj = demonstrate(env, task, params.experts.max_steps, params.experts.seed)
+                    break
+                except Exception as err:  # noqa: BLE001 - a crashed simulator fails this demonstration only
+                    env.close()
+                    env = make_env(cfg, expert=kind, worker=cfg.processes)
+                    traj = Trajectory(uuid.uuid4().hex, task.id, task.type, task.split, "expert", "")
+                    traj.failure = env_error(err)
+                    bar.write(f"experts: {task.id}: environment failed ({err}); attempt {attempt + 1}/{cfg.retries + 1}")
+            out.append(traj)
+            bar.update(1)
+    finally:
+        env.close()
+    return out
 
 
 def experts(params: Params, out: Path, metrics_path: Path) -> dict:
@@ -73,9 +76,15 @@ def experts(params: Params, out: Path, metrics_path: Path) -> dict:
     cfg = params.experts
     tasks = select_tasks(make_env(params.env), cfg.split, params.env, 0, cfg.seed)
     tasks = random.Random(cfg.seed).sample(tasks, min(max(cfg.demos.values()), len(tasks)))
-    jobs = [(kind, t, cfg.max_steps) for kind, n in cfg.demos.items() for t in tasks[:n]]
-    with mp.get_context("spawn").Pool(min(cfg.workers, len(jobs)), _init_worker, (params,)) as pool:
-        trajs = list(tqdm(pool.imap(_demonstrate_in_worker, jobs), total=len(jobs), desc="experts", unit="ep"))
+    jobs = [(kind, t) for kind, n in cfg.demos.items() for t in tasks[:n]]
+    # each expert's tasks dealt to `workers` environments, `workers` of them playing at a time
+    shards = [(kind, tasks[:n][w::cfg.workers]) for kind, n in cfg.demos.items() for w in range(cfg.workers)]
+    shards = [(kind, ts) for kind, ts in shards if ts]
+    threads = cfg.workers if params.env.processes else 1  # in-process simulators are not thread-safe
+    with tqdm(total=len(jobs), desc="experts", unit="ep") as bar, ThreadPoolExecutor(threads) as pool:
+        done = list(pool.map(lambda shard: _demonstrate_all(params, *shard, bar), shards))
+    by_job = {(kind, t.task_id): t for (kind, _), trajs in zip(shards, done) for t in trajs}
+    trajs = [by_job[(kind, t.id)] for kind, t in jobs]
     won = [t for t in trajs if t.won]
     _, failed = check_env_failures(trajs, params.env.max_failure_ratio, "experts")
     write_store(out, won)
@@ -87,7 +96,7 @@ def experts(params: Params, out: Path, metrics_path: Path) -> dict:
         # every step the experts took, failed episodes included: sample efficiency counts from here
         "cumulative_env_steps": sum(len(t.steps) for t in trajs),
         "env_failures": failed,
-        "failures": {f"{kind}:{t.task_id}": t.failure for (kind, *_), t in zip(jobs, trajs) if not t.won},
+        "failures": {f"{kind}:{t.task_id}": t.failure for (kind, _), t in zip(jobs, trajs) if not t.won},
     }
     write_json(metrics_path, metrics)
     return metrics

@@ -1,21 +1,25 @@
 """Play a policy on many tasks at once: one environment per slot, the policy batched across slots.
 
 A slot whose episode ends is refilled with the next task straight away, so the batch stays full. An
-environment that raises (a crashed simulator) ends its episode as failed with reason `env_error: ...`
-and is replaced by a fresh one; the run goes on, and fails loudly only when more than
-`max_failure_ratio` of the episodes failed that way.
+environment that raises (a crashed simulator, a worker past its timeout) is replaced by a fresh one and
+its episode restarted, up to `retries` times; after that the episode is recorded as failed with reason
+`env_error: ...`. The run goes on, and fails loudly only when more than `max_failure_ratio` of the
+episodes failed that way.
 """
 
 from __future__ import annotations
 
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from tqdm import tqdm
 
+from qevolve.config import EnvConfig
 from qevolve.data.store import StepRecord, Trajectory
+from qevolve.envs import make_env as make_configured_env
 from qevolve.envs.base import Task, TextEnv, check_env_failures, env_error
 from qevolve.models.policy import Actor
 from qevolve.models.prompt import clean_text, parse_action
@@ -30,6 +34,14 @@ class _Episode:
     outputs: list[str] = field(default_factory=list)
 
 
+def _attempt(call: Callable, arg):
+    """`call(arg)`, or the exception it raised."""
+    try:
+        return call(arg)
+    except Exception as err:  # noqa: BLE001 - any simulator fault is handled per episode by the caller
+        return err
+
+
 def play(
     make_env: Callable[[], TextEnv],
     tasks: list[Task],
@@ -42,60 +54,74 @@ def play(
     seed: int = 0,
     desc: str = "rollout",
     max_failure_ratio: float = 0.0,
+    retries: int = 0,
+    parallel: bool = False,
 ) -> list[Trajectory]:
-    """Roll `actor` out on every task; trajectories come back in the order of `tasks`, those the
-    environment failed marked with `failure` = `env_error: <exception>` (see `env_failures`)."""
+    """Roll `actor` out on every task; trajectories come back in the order of `tasks`.
+
+    An episode ends at `max_steps` or at its task's own limit (`Task.max_steps`), whichever is smaller.
+    When its environment raises (for an `EnvWorker`: dies or times out), the episode is restarted from its
+    first step on a fresh environment up to `retries` times, then recorded with `failure` =
+    `env_error: <exception>` (see `env_failures`). `parallel`: step the environments from one thread
+    each, for environments that run in worker processes."""
     generator = torch.Generator().manual_seed(seed)
     envs = [make_env() for _ in range(min(batch_size, len(tasks)))]
     queue = list(enumerate(tasks))
+    attempts = [0] * len(tasks)
     slots: list[tuple[int, _Episode] | None] = [None] * len(envs)
     results: dict[int, Trajectory] = {}
     bar = tqdm(total=len(tasks), desc=desc, unit="ep")
+    pool = ThreadPoolExecutor(len(envs)) if parallel and envs else None
+    mapper = pool.map if pool else map
 
     def fail(slot: int, index: int, traj: Trajectory, err: Exception) -> None:
-        traj.won, traj.failure = False, env_error(err)
-        results[index] = traj
-        bar.update(1)
+        slots[slot] = None
         try:
             envs[slot].close()
         except Exception:  # noqa: BLE001 - a crashed environment may not close cleanly either
             pass
         envs[slot] = make_env()
-
-    def start(slot: int) -> None:
-        while queue:
-            index, task = queue.pop(0)
-            traj = Trajectory(uuid.uuid4().hex, task.id, task.type, task.split, source, "")
-            try:
-                first = envs[slot].reset(task)
-            except Exception as err:  # noqa: BLE001 - any simulator fault ends only this episode
-                fail(slot, index, traj, err)
-                continue
-            traj.instruction = first.instruction
-            slots[slot] = (index, _Episode(task, traj, [first.text], first.admissible))
+        if attempts[index] < retries:
+            attempts[index] += 1
+            queue.insert(0, (index, tasks[index]))
+            bar.write(f"{desc}: {tasks[index].id}: environment failed ({err}); restarting the episode "
+                      f"({attempts[index]}/{retries})")
             return
-        slots[slot] = None
+        traj.won, traj.failure = False, env_error(err)
+        results[index] = traj
+        bar.update(1)
+
+    def refill() -> None:
+        """Start the next tasks in every free slot, resetting their environments in parallel."""
+        while jobs := [(s, queue.pop(0)) for s in range(len(envs)) if slots[s] is None and queue]:
+            firsts = list(mapper(lambda job: _attempt(envs[job[0]].reset, job[1][1]), jobs))
+            for (s, (index, task)), first in zip(jobs, firsts):
+                traj = Trajectory(uuid.uuid4().hex, task.id, task.type, task.split, source, "")
+                if isinstance(first, Exception):
+                    fail(s, index, traj, first)
+                    continue
+                traj.instruction = first.instruction
+                slots[s] = (index, _Episode(task, traj, [first.text], first.admissible))
 
     try:
-        for s in range(len(envs)):
-            start(s)
+        refill()
         while any(slots):
             active = [s for s, e in enumerate(slots) if e is not None]
             episodes = [slots[s][1] for s in active]
             reserve = actor.max_new_tokens if actor.mode == "free" else 0  # room for the generated turn
             prompts = [actor.builder.prompt(e.traj.instruction, e.observations, e.outputs, reserve) for e in episodes]
             decisions = actor.act(prompts, [e.admissible for e in episodes], greedy, generator, slots=active)
-            for s, ep, prompt, d in zip(active, episodes, prompts, decisions):
-                output = clean_text(d.output)  # whatever the backend decoded, the store holds valid UTF-8
-                action, _ = parse_action(output)
+            outputs = [clean_text(d.output) for d in decisions]  # whatever the backend decoded, the store holds valid UTF-8
+            actions = [parse_action(o)[0] for o in outputs]
+            stepping = [(s, a) for s, a in zip(active, actions) if a is not None]
+            stepped = dict(zip([s for s, _ in stepping], mapper(lambda job: _attempt(envs[job[0]].step, job[1]), stepping)))
+            for s, ep, prompt, d, output, action in zip(active, episodes, prompts, decisions, outputs, actions):
                 if action is None:
                     obs, reward, done, won, valid, admissible = ep.observations[-1], 0.0, False, False, False, ep.admissible
                 else:
-                    try:
-                        r = envs[s].step(action)
-                    except Exception as err:  # noqa: BLE001 - any simulator fault ends only this episode
-                        fail(s, slots[s][0], ep.traj, err)
-                        start(s)
+                    r = stepped[s]
+                    if isinstance(r, Exception):
+                        fail(s, slots[s][0], ep.traj, r)
                         continue
                     obs, reward, done, won, valid, admissible = r.observation, r.reward, r.done, r.won, r.valid, r.admissible
                 ep.traj.steps.append(
@@ -108,17 +134,28 @@ def play(
                 ep.outputs.append(output)
                 ep.observations.append(obs)
                 ep.admissible = admissible
-                if done or len(ep.outputs) >= max_steps:
+                if done or len(ep.outputs) >= min(max_steps, ep.task.max_steps or max_steps):
                     ep.traj.won = won
                     ep.traj.failure = "" if won else ("done" if done else "max_steps")
                     results[slots[s][0]] = ep.traj
+                    slots[s] = None
                     bar.update(1)
                     bar.set_postfix(success=f"{sum(t.won for t in results.values())}/{len(results)}")
-                    start(s)
+            refill()
     finally:
         bar.close()
+        if pool:
+            pool.shutdown()
         for env in envs:
             env.close()
     trajs = [results[i] for i in range(len(tasks))]
     check_env_failures(trajs, max_failure_ratio, desc)
     return trajs
+
+
+def play_in(cfg: EnvConfig, tasks: list[Task], actor: Actor, **kwargs) -> list[Trajectory]:
+    """`play` on environments built from `cfg`: its step cap, failure ratio, retries and worker processes."""
+    return play(
+        lambda: make_configured_env(cfg, worker=cfg.processes), tasks, actor, max_steps=cfg.max_steps,
+        max_failure_ratio=cfg.max_failure_ratio, retries=cfg.retries, parallel=cfg.processes, **kwargs,
+    )

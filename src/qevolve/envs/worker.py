@@ -1,0 +1,109 @@
+"""Run an environment in its own process, so a crash or a hang costs one episode, never the run.
+
+`EnvWorker` is a `TextEnv` whose calls go over a pipe to a child process that owns the real environment.
+Every call waits at most `timeout` seconds (the first one, which starts the simulator, `start_timeout`).
+When the child dies (a killed JVM, a segfault) or a call runs past its timeout, the child is killed and
+the call raises `EnvWorkerError`; the caller (`rollout.play`, the experts stage) restarts the episode
+on a fresh worker. Calls block in the pipe without the GIL, so one thread per worker steps many
+environments at once.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+from typing import TYPE_CHECKING
+
+from qevolve.envs.base import Observation, Step, Task
+
+if TYPE_CHECKING:
+    from qevolve.config import EnvConfig
+
+
+class EnvWorkerError(RuntimeError):
+    """The worker process died or did not answer in time; it has been killed."""
+
+
+def _serve(conn, cfg: EnvConfig, expert: str | None) -> None:
+    from qevolve.envs import make_env
+
+    env = make_env(cfg, expert)
+    while True:
+        try:
+            op, args = conn.recv()
+        except EOFError:  # the parent is gone
+            break
+        if op == "close":
+            env.close()
+            conn.send((True, None))
+            break
+        try:
+            value = random.seed(*args) if op == "seed_random" else getattr(env, op)(*args)
+            conn.send((True, value))
+        except Exception as err:  # noqa: BLE001 - the parent decides what an environment error means
+            conn.send((False, RuntimeError(f"{type(err).__name__}: {err}")))
+
+
+class EnvWorker:
+    """A `TextEnv` served by a child process (see the module docstring)."""
+
+    def __init__(self, cfg: EnvConfig, expert: str | None = None):
+        self.timeout = cfg.step_timeout
+        self._first_timeout = cfg.start_timeout
+        ctx = mp.get_context("spawn")  # never fork a process that holds torch threads
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, cfg, expert), daemon=True, name=f"env-{cfg.name}")
+        self.process.start()
+        child.close()
+        self._tasks: dict[str, list[Task]] = {}
+
+    def _call(self, op: str, *args):
+        if not self.process.is_alive():
+            raise EnvWorkerError(f"environment worker {self.process.pid} is not running (exit code {self.process.exitcode})")
+        timeout, self._first_timeout = self._first_timeout or self.timeout, None
+        try:
+            self._conn.send((op, args))
+            if not self._conn.poll(timeout):
+                self.kill()
+                raise EnvWorkerError(f"environment worker {self.process.pid}: {op} took longer than {timeout:g} s; killed it")
+            ok, value = self._conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            self.process.join(1)
+            code = self.process.exitcode
+            self.kill()
+            raise EnvWorkerError(f"environment worker {self.process.pid} died during {op} (exit code {code})") from None
+        if not ok:
+            raise value
+        return value
+
+    def reset(self, task: Task) -> Observation:
+        return self._call("reset", task)
+
+    def step(self, action: str) -> Step:
+        return self._call("step", action)
+
+    def tasks(self, split: str) -> list[Task]:
+        if split not in self._tasks:
+            self._tasks[split] = self._call("tasks", split)
+        return self._tasks[split]
+
+    def expert_action(self) -> str | None:
+        return self._call("expert_action")
+
+    def seed_random(self, key: str) -> None:
+        """Seed the worker's global `random` (ALFWorld's handcoded expert breaks ties with it)."""
+        self._call("seed_random", key)
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self._call("close")
+            except Exception:  # noqa: BLE001 - closing a broken worker: kill it instead
+                pass
+        self.kill()
+        self._conn.close()
