@@ -14,11 +14,25 @@ ifneq ($(LOCAL_ARCHIVE),)
 export QEVOLVE_ALFWORLD_ARCHIVE ?= $(abspath $(LOCAL_ARCHIVE))
 endif
 
+# The standard ScienceWorld and WebShop split files (docs/environments.md), where this checkout has them.
+LOCAL_SPLITS := $(wildcard ../shared/data/splits)
+ifneq ($(LOCAL_SPLITS),)
+export QEVOLVE_SPLITS ?= $(abspath $(LOCAL_SPLITS))
+endif
+# `make quickstart PROFILE=textcraft` (or scienceworld, webshop, alfworld) first copies profiles/$(PROFILE).yaml
+# onto params.yaml; without PROFILE, params.yaml is used as it is.
+PROFILE ?=
+
 .PHONY: setup quickstart test test-slow test-all
 setup:
 	./scripts/setup.sh
 
 quickstart: setup
+ifneq ($(PROFILE),)
+	cp profiles/$(PROFILE).yaml params.yaml
+endif
+	@if grep -q "data_dir: data/webshop-synthetic" params.yaml && [ ! -f data/webshop-synthetic/items_human_ins.json ]; then \
+	  .venv/bin/qevolve webshop-data data/webshop-synthetic; fi
 	PYTHONPATH=. .venv/bin/python -m flows.evolve
 
 test: setup

@@ -24,7 +24,7 @@ from qevolve import dvcfile, paths
 from qevolve.cli import summary_table
 from qevolve.config import load_params
 from qevolve.data.atomic import write_json
-from qevolve.envs.alfworld import ensure_alfworld_data
+from qevolve.envs import check_data
 from qevolve.lock import WorkspaceBusy, workspace_lock
 from qevolve.stages import ITERATION, pipeline, stage_name
 from tasks import run_pipeline_stage
@@ -74,8 +74,7 @@ def _evolve(root: str) -> dict:
     params = load_params("params.yaml")
     if dvcfile.write(params, Path("dvc.yaml")):
         print(f"dvc.yaml regenerated for evolve.iterations = {params.evolve.iterations}")
-    if params.env.name == "alfworld":
-        ensure_alfworld_data()
+    check_data(params.env)
     results = {}
     with start_evolution(params, run_name=f"evolve-{time.strftime('%Y%m%d-%H%M%S')}") as run:
         for stage, k in pipeline(0):

@@ -1,4 +1,5 @@
-"""Command line: `qevolve run STAGE` (what dvc.yaml calls), `qevolve dvc-yaml`, `qevolve summary`, `qevolve data`."""
+"""Command line: `qevolve run STAGE` (what dvc.yaml calls), `qevolve dvc-yaml`, `qevolve summary`, `qevolve data`,
+`qevolve webshop-data`."""
 
 from __future__ import annotations
 
@@ -42,7 +43,18 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("dvc-yaml", help="write dvc.yaml for params.yaml (after changing evolve.iterations)")
     gen.add_argument("--params", type=Path, default=Path("params.yaml"))
     sub.add_parser("data", help="prepare ALFWorld's data folder (ALFWORLD_DATA) and print it")
+    shop = sub.add_parser("webshop-data", help="write a small synthetic WebShop catalogue and goals (official schema)")
+    shop.add_argument("folder", type=Path)
+    shop.add_argument("--products", type=int, default=200)
+    shop.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+
+    if args.command == "webshop-data":
+        from qevolve.envs.webshop_data import write_synthetic
+
+        counts = write_synthetic(args.folder, args.products, args.seed)
+        print(f"{args.folder}: {counts['products']} products, {counts['goals']} goals ({counts['train']} train, {counts['test']} test)")
+        return 0
 
     if args.command == "data":
         from qevolve.envs.alfworld import ensure_alfworld_data

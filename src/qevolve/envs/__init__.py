@@ -7,7 +7,7 @@ import random
 from qevolve.config import EnvConfig
 from qevolve.envs.base import Observation, Step, Task, TextEnv
 
-__all__ = ["Observation", "Step", "Task", "TextEnv", "check_tasks", "make_env", "select_tasks"]
+__all__ = ["Observation", "Step", "Task", "TextEnv", "check_data", "check_tasks", "make_env", "select_tasks"]
 
 
 def make_env(cfg: EnvConfig, expert: str | None = None, *, worker: bool = False) -> TextEnv:
@@ -35,6 +35,22 @@ def make_env(cfg: EnvConfig, expert: str | None = None, *, worker: bool = False)
 
         return WebShopEnv(cfg.data_dir or None)
     raise ValueError(f"env.name: unknown environment {cfg.name!r}")
+
+
+def check_data(cfg: EnvConfig) -> None:
+    """Fail before any compute when the environment's data is missing; ALFWorld's is prepared here."""
+    if cfg.name == "alfworld":
+        from qevolve.envs.alfworld import ensure_alfworld_data
+
+        ensure_alfworld_data()
+    elif cfg.name == "scienceworld":
+        from qevolve.envs.scienceworld import list_tasks
+
+        list_tasks("train")
+    elif cfg.name == "webshop":
+        from qevolve.envs.webshop import WebShopEnv
+
+        WebShopEnv(cfg.data_dir or None).tasks("train")
 
 
 def check_tasks(env: TextEnv, trajectories, source: str) -> None:

@@ -7,7 +7,8 @@ variations (other objects, rooms and substances). Each task type's step limit co
 `max_steps.json`. Like ETO, tasks load with the `easy` simplification.
 
 Reward: ScienceWorld's 0-100 score divided by 100, given as the change of the (non-negative) score at
-each step, so an episode's return is its final normalised score; success is a score of 100. A negative
+each step from 0 before the first (so the first step also carries the points some tasks give for the
+starting state), and an episode's return is its final normalised score; success is a score of 100. A negative
 score (ScienceWorld's "task failed") ends the episode. An action ScienceWorld's parser does not know is
 rejected ("No known action matches that input.").
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 from functools import lru_cache
+from pathlib import Path
 
 from qevolve.envs.base import Observation, Step, Task, read_split_file, splits_dir
 
@@ -28,11 +30,14 @@ JVM_HEAP = "-Xmx512m"
 SIMPLIFICATION = "easy"
 
 
-@lru_cache(maxsize=None)
 def list_tasks(split: str) -> tuple[Task, ...]:
     if split not in SPLIT_FILES:
         raise ValueError(f"unknown ScienceWorld split {split!r}; expected one of {tuple(SPLIT_FILES)}")
-    folder = splits_dir("sciworld")
+    return _read_split(splits_dir("sciworld"), split)
+
+
+@lru_cache(maxsize=None)
+def _read_split(folder: Path, split: str) -> tuple[Task, ...]:
     limits = read_split_file(folder / "max_steps.json")
     tasks = []
     for i, entry in enumerate(read_split_file(folder / SPLIT_FILES[split])):
@@ -79,7 +84,8 @@ class ScienceWorldEnv:
         obs, info = self._sim.reset()
         self._gold = self._sim.get_gold_action_sequence() if self.expert == "gold" else []
         self._score, self._t = 0, 0
-        return Observation(instruction=info["taskDesc"].removeprefix("Task Description:").strip(), text=obs.strip(),
+        task_text = info["taskDesc"].removeprefix("Task Description:").strip().removeprefix("Your task is to ")
+        return Observation(instruction=task_text, text=obs.strip(),
                            admissible=list(info["valid"]))
 
     def step(self, action: str) -> Step:

@@ -92,8 +92,8 @@ def recipe_listing(goal: str, rng: random.Random) -> list[str]:
 
 
 def plan(goal: str) -> list[str]:
-    """Actions that craft `goal` from nothing: fetch each base ingredient, craft bottom-up. Each recipe
-    is the one with the shallowest tree; a tagged ingredient (`planks`) becomes the member already held,
+    """Actions that craft `goal` from nothing: fetch each base ingredient in one go, craft bottom-up, a
+    recipe as many times as the count needs. Each recipe is the one with the shallowest tree; a tagged ingredient (`planks`) becomes the member already held,
     else the member with the shallowest tree. Counts follow each recipe's output count."""
     tree = crafting_tree()
     inventory: Counter[str] = Counter()
@@ -119,17 +119,17 @@ def plan(goal: str) -> list[str]:
             inventory[name] += need
             return
         recipe = min(recipes, key=lambda r: max(tree.get_min_depth(i.item_tag.name) for i in r.input_items))
-        made = recipe.output_item.count
-        for _ in range(ceil(need / made)):
-            inputs = [(concrete(i.item_tag), i.count) for i in recipe.input_items]
-            for _ in range(len(inputs) + 1):  # making one input can use up another (sticks eat planks)
-                missing = [(x, c) for x, c in inputs if inventory[x] < c]
-                if not missing:
-                    break
-                for x, c in missing:
-                    obtain(x, c, depth + 1)
-            else:
-                raise PlanError(f"could not gather the inputs for {name}")
+        made, times = recipe.output_item.count, ceil(need / recipe.output_item.count)
+        inputs = [(concrete(i.item_tag), i.count) for i in recipe.input_items]
+        for _ in range(len(inputs) + 1):  # making one input can use up another (sticks eat planks)
+            missing = [(x, times * c) for x, c in inputs if inventory[x] < times * c]
+            if not missing:
+                break
+            for x, c in missing:
+                obtain(x, c, depth + 1)
+        else:
+            raise PlanError(f"could not gather the inputs for {name}")
+        for _ in range(times):
             actions.append(f"craft {made} {_name(name)} using " + ", ".join(f"{c} {_name(x)}" for x, c in inputs))
             inventory.subtract(dict(inputs))
             inventory[name] += made

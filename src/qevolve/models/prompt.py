@@ -15,11 +15,18 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-INSTRUCTION = (
-    "Interact with a household to solve a task. At each turn, reply with one action as "
-    "'Action: <command>' (you may think first on a line 'Thought: ...'). The environment answers with "
-    "what you observe."
-)
+_REPLY = ("At each turn, reply with one action as 'Action: <command>' (you may think first on a line "
+          "'Thought: ...'). The environment answers with what you observe.")
+INTRODUCTIONS = {
+    "alfworld": f"Interact with a household to solve a task. {_REPLY}",
+    "scienceworld": f"Carry out a science experiment in a simulated world to solve a task. {_REPLY}",
+    "webshop": f"Shop on a web store for the product you are asked for. Use search[query] on the search page and "
+               f"click[button] to click a listed button. {_REPLY}",
+    "textcraft": f"Craft an item in Minecraft. Use 'get N item' for base items, 'craft N item using N item, ...' "
+                 f"with the listed recipes, and 'inventory'. {_REPLY}",
+}
+"""The first words of every prompt, per environment."""
+INSTRUCTION = INTRODUCTIONS["alfworld"]
 
 _ACTION_RE = re.compile(r"^\s*action\s*:\s*(.*?)\s*$", re.IGNORECASE | re.MULTILINE)
 
@@ -76,8 +83,10 @@ def _common_suffix(a: str, b: str) -> str:
 class PromptBuilder:
     """Turns (instruction, observations, actions) into token ids, with a mask over action tokens."""
 
-    def __init__(self, tokenizer, context_tokens: int, one_shot: str = "", repeat_task: bool = False, max_observation_tokens: int = 0):
+    def __init__(self, tokenizer, context_tokens: int, one_shot: str = "", repeat_task: bool = False, max_observation_tokens: int = 0,
+                 intro: str = INSTRUCTION):
         self.tok = tokenizer
+        self.intro = intro
         self.max_observation_tokens = max_observation_tokens
         self.truncated: set[int] = set()
         """Hashes of the observations cut to `max_observation_tokens` (their count goes to metrics)."""
@@ -93,7 +102,7 @@ class PromptBuilder:
 
     def first_user_text(self, instruction: str, observation: str) -> str:
         example = f"\nHere is an example.\n{self.one_shot}\n" if self.one_shot else ""
-        return f"{INSTRUCTION}{example}\n{observation.strip()}\n\nYour task is to: {instruction}"
+        return f"{self.intro}{example}\n{observation.strip()}\n\nYour task is to: {instruction}"
 
     def clip(self, observation: str) -> str:
         """The observation, cut to `max_observation_tokens` tokens (0 = no limit) with a marker."""

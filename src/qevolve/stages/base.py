@@ -8,12 +8,12 @@ from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import read_store
 from qevolve.models.base import build_embedded, write_pointer
-from qevolve.models.prompt import INSTRUCTION
+from qevolve.models.prompt import INTRODUCTIONS
 
 
-def corpus(experts_dir: Path) -> list[str]:
+def corpus(experts_dir: Path, env: str) -> list[str]:
     """Environment text the embedded tokenizer is trained on: instructions, observations, actions."""
-    texts = [INSTRUCTION, "Action: Thought: Your task is to: Here is an example."]
+    texts = [INTRODUCTIONS[env], "Action: Thought: Your task is to: Here is an example."]
     for traj in read_store(experts_dir):
         texts.append(traj.instruction)
         for s in traj.steps:
@@ -25,7 +25,7 @@ def base(params: Params, experts_dir: Path, out: Path, metrics_path: Path) -> di
     cfg = params.model
     with atomic_dir(out) as tmp:
         if cfg.base == "embedded":
-            metrics = build_embedded(cfg.embedded, corpus(experts_dir), tmp, max_positions=2 * cfg.context_tokens)
+            metrics = build_embedded(cfg.embedded, corpus(experts_dir, params.env.name), tmp, max_positions=2 * cfg.context_tokens)
         else:
             metrics = write_pointer(cfg.base, tmp)
     write_json(metrics_path, metrics)

@@ -13,7 +13,7 @@ from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import Trajectory, read_store
 from qevolve.envs import check_tasks, make_env
 from qevolve.models.policy import load_policy
-from qevolve.models.prompt import PromptBuilder, format_action
+from qevolve.models.prompt import INSTRUCTION, INTRODUCTIONS, PromptBuilder, format_action
 from qevolve.stages.training import checkpoint_path, last_epoch_mean, packed_rows, pad_ids, train
 
 PROMPT_FILE = "prompt.json"  # saved beside the adapter so acting uses the prompt BC trained with
@@ -30,7 +30,8 @@ def one_shot_text(trajs: list[Trajectory]) -> str:
 
 def make_builder(params: Params, tokenizer, policy_dir: Path) -> PromptBuilder:
     saved = json.loads((policy_dir / PROMPT_FILE).read_text())
-    return PromptBuilder(tokenizer, params.model.context_tokens, saved["one_shot"], saved["repeat_task"], params.prompt.max_observation_tokens)
+    return PromptBuilder(tokenizer, params.model.context_tokens, saved["one_shot"], saved["repeat_task"], params.prompt.max_observation_tokens,
+                         saved.get("intro", INSTRUCTION))
 
 
 def build_examples(builder: PromptBuilder, trajs: list[Trajectory]) -> list[tuple[list[int], list[int]]]:
@@ -71,7 +72,8 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
     check_tasks(make_env(params.env), trajs, str(experts_dir))
     model, tok = load_policy(base_dir, params.model)
     one_shot = one_shot_text(trajs) if params.prompt.one_shot else ""
-    builder = PromptBuilder(tok, params.model.context_tokens, one_shot, params.prompt.repeat_task, params.prompt.max_observation_tokens)
+    builder = PromptBuilder(tok, params.model.context_tokens, one_shot, params.prompt.repeat_task, params.prompt.max_observation_tokens,
+                            INTRODUCTIONS[params.env.name])
     examples = build_examples(builder, trajs)
     pack_tokens = params.model.context_tokens if cfg.pack else 0
     start = time.perf_counter()
@@ -81,7 +83,7 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
     tokens = cfg.epochs * sum(len(ids) for ids, _ in examples)
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)
-        (tmp / PROMPT_FILE).write_text(json.dumps({"one_shot": one_shot, "repeat_task": params.prompt.repeat_task}) + "\n")
+        (tmp / PROMPT_FILE).write_text(json.dumps({"one_shot": one_shot, "repeat_task": params.prompt.repeat_task, "intro": builder.intro}) + "\n")
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),
         "first_loss": curve[0]["loss"],
