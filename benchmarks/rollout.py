@@ -1,7 +1,9 @@
 """Rollout throughput: KV-cache reuse + batching across episodes against a naive loop.
 
 The naive loop plays one episode at a time and re-encodes the whole history every turn. The fast path
-keeps every episode's KV cache across turns and batches 1, 4 or 16 concurrent episodes. All runs play
+keeps every episode's KV cache across turns and batches 1, 4 or 16 concurrent episodes, with the
+environments in this process, and then with each environment in its own worker process (`workers`),
+stepping in parallel. All runs play
 the same valid_seen games greedily with the trained policy of a workspace (run `make quickstart` first),
 and the benchmark fails if any run takes a different action than the naive loop.
 
@@ -42,9 +44,10 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for mode in args.mode:
-        runs = [("naive", False, 1)] + [("reuse", True, c) for c in args.concurrency]
+        runs = [("naive", False, 1)] + [("reuse", True, c) for c in args.concurrency] + [("workers", True, max(args.concurrency))]
         reference = None
         for name, reuse, concurrency in runs:
+            workers = name == "workers"  # environments in worker processes, stepping in parallel
             import fast_downward
 
             getattr(fast_downward.pddl2sas, "cache", {}).clear()  # no run starts with another's ALFWorld resets cached
@@ -63,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             actor.act = timed
             start = time.perf_counter()
             trajs = play(
-                lambda: make_env(params.env), tasks, actor, max_steps=args.max_steps, greedy=True,
-                source="bench", batch_size=concurrency, desc=f"{mode} {name} x{concurrency}",
+                lambda: make_env(params.env, worker=workers), tasks, actor, max_steps=args.max_steps, greedy=True,
+                source="bench", batch_size=concurrency, desc=f"{mode} {name} x{concurrency}", parallel=workers,
             )
             wall = time.perf_counter() - start
             actions = [[s.output for s in t.steps] for t in trajs]

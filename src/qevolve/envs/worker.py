@@ -103,6 +103,7 @@ class EnvWorker:
         if self.process.is_alive():
             try:
                 self._call("close")
+                self.process.join(10)  # let it exit on its own; a kill mid-shutdown leaks its semaphores
             except Exception:  # noqa: BLE001 - closing a broken worker: kill it instead
                 pass
         self.kill()
