@@ -75,6 +75,22 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tiny_base, tmp_path)
         load_base(base)
 
 
+def test_the_embedded_base_counts_the_tokens_every_later_load_sees(tmp_path):
+    """Regression: the count was read before config.json existed; later loads (Qwen2's tokenizer class)
+    add `<|endoftext|>`, one token more, which broke a ScienceWorld run whose vocabulary was 21 x 64."""
+    from transformers import AutoTokenizer
+
+    from conftest import CORPUS
+    from qevolve.config import EmbeddedModelConfig
+    from qevolve.models.base import build_embedded
+
+    cfg = EmbeddedModelConfig(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab_size=300)
+    metrics = build_embedded(cfg, CORPUS, tmp_path, max_positions=64)
+    model, tok = load_base(tmp_path)
+    assert metrics["vocab_size"] == len(tok) == len(AutoTokenizer.from_pretrained(tmp_path))
+    assert len(tok) <= model.get_input_embeddings().num_embeddings
+
+
 def test_expert_data_about_unknown_tasks_is_refused_naming_file_and_field():
     env = Corridor()
     good = Trajectory("a", "t1", "corridor", "train", "expert", "leave.")

@@ -53,11 +53,15 @@ def build_embedded(cfg: EmbeddedModelConfig, corpus: Iterable[str], out_dir: Pat
     """Train the tokenizer, initialise a small Qwen2 model from a config, save both to `out_dir`."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    tok = train_tokenizer(corpus, cfg.vocab_size)
-    # Round the embedding table up to a multiple of 64 (faster matmuls, room for added tokens); the
-    # tokenizer's length is read back from disk because saving can add tokens (e.g. a default unk).
+    # The tokenizer is read back the way every later load reads it: beside a Qwen2 config.json, which
+    # picks Qwen2's tokenizer class, and that class adds its default `<|endoftext|>` token. It is saved
+    # again in that form, so the count below is the count every later load sees.
+    train_tokenizer(corpus, cfg.vocab_size).save_pretrained(out_dir)
+    Qwen2Config().save_pretrained(out_dir)
+    tok = AutoTokenizer.from_pretrained(out_dir)
     tok.save_pretrained(out_dir)
-    n_tokens = len(AutoTokenizer.from_pretrained(out_dir))
+    n_tokens = len(tok)
+    # Round the embedding table up to a multiple of 64 (faster matmuls, room for added tokens).
     config = Qwen2Config(
         vocab_size=-(-n_tokens // 64) * 64,
         hidden_size=cfg.hidden,
