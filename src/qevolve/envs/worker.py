@@ -11,6 +11,7 @@ environments at once.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import random
 from typing import TYPE_CHECKING
 
@@ -31,17 +32,20 @@ def _serve(conn, cfg: EnvConfig, expert: str | None) -> None:
     while True:
         try:
             op, args = conn.recv()
-        except EOFError:  # the parent is gone
-            break
+        except EOFError:  # the parent is gone (killed): leave at once, see below
+            os._exit(0)
         if op == "close":
             env.close()
             conn.send((True, None))
             break
         try:
-            value = random.seed(*args) if op == "seed_random" else getattr(env, op)(*args)
-            conn.send((True, value))
+            reply = (True, random.seed(*args) if op == "seed_random" else getattr(env, op)(*args))
         except Exception as err:  # noqa: BLE001 - the parent decides what an environment error means
-            conn.send((False, RuntimeError(f"{type(err).__name__}: {err}")))
+            reply = (False, RuntimeError(f"{type(err).__name__}: {err}"))
+        try:
+            conn.send(reply)
+        except OSError:  # the parent died while we worked. Exit without closing the simulator: a JVM
+            os._exit(0)  # exits when our pipe to it closes, and a normal shutdown could wait on it forever
 
 
 class EnvWorker:
