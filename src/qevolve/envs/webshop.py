@@ -262,12 +262,16 @@ class WebShopEnv:
 
     def __init__(self, data: str | Path | None = None, expert: str | None = None):
         self._configured = str(data) if data else None
+        self._folder: str | None = None
         self.expert = expert
         self._goal: dict | None = None
 
     @property
     def folder(self) -> str:
-        return str(data_dir(self._configured))
+        """The data folder, checked once (every page render reads the catalogue through it)."""
+        if self._folder is None:
+            self._folder = str(data_dir(self._configured))
+        return self._folder
 
     def tasks(self, split: str) -> list[Task]:
         return list_tasks(self.folder, split)
