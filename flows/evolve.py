@@ -26,7 +26,7 @@ from qevolve.config import load_params
 from qevolve.data.atomic import write_json
 from qevolve.envs import check_data
 from qevolve.lock import WorkspaceBusy, workspace_lock
-from qevolve.stages import ITERATION, pipeline, stage_name
+from qevolve.stages import iteration_stages, pipeline, stage_name
 from tasks import run_pipeline_stage
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +38,7 @@ def iteration(k: int, root: str, parent_run_id: str) -> dict:
     results = {}
     start = time.perf_counter()
     with start_iteration(k, parent_run_id):
-        for stage in ITERATION:
+        for stage in iteration_stages(load_params(Path(root) / "params.yaml")):
             result = run_pipeline_stage(stage, k, root)
             log_stage(result)
             results[stage_name(stage, k)] = result

@@ -120,9 +120,9 @@ def render_credit(k: int, limit: int = SAMPLE_TRAJECTORIES) -> str:
     return "\n".join(lines)
 
 
-def _curve_metrics(stage: str, name: str, keys: tuple[str, ...]) -> None:
+def _curve_metrics(stage: str, name: str, keys: tuple[str, ...], x: str = "step") -> None:
     for point in json.loads(paths.curve(name).read_text()):
-        mlflow.log_metrics({f"{stage}/train_{key}": point[key] for key in keys if key in point}, step=point["step"])
+        mlflow.log_metrics({f"{stage}/train_{key}": point[key] for key in keys if key in point}, step=point[x])
 
 
 def _histogram_figure(rows: list[dict], title: str):
@@ -140,7 +140,8 @@ def _histogram_figure(rows: list[dict], title: str):
 
 
 def log_iteration_views(k: int) -> None:
-    mlflow.log_text(render_credit(k), f"trajectories/credit@{k}.md")
+    if paths.advantages(k).exists():  # Q-Evolve's iterations; the GRPO baseline has no critic
+        mlflow.log_text(render_credit(k), f"trajectories/credit@{k}.md")
 
 
 def log_evolution_views(iterations: int) -> None:
@@ -179,6 +180,11 @@ def log_stage(result: dict) -> None:
     elif stage == "bc":
         _curve_metrics(stage, name, ("loss",))
         mlflow.log_artifacts(str(paths.BC), "bc_adapter")
+    elif stage == "rerank":
+        mlflow.log_text(render_trajectories(paths.reranked(step)), f"trajectories/{name}.md")
+    elif stage == "online":
+        _curve_metrics(stage, name, ("success_rate", "loss", "kl", "clip_fraction", "env_steps"), x="round")
+        mlflow.log_artifacts(str(paths.policy(step)), "policy_adapter")
     elif stage == "evaluate":
         mlflow.log_text(render_trajectories(paths.evaluation(step)), f"trajectories/{name}.md")
         if step:  # also on the parent run, so its metrics chart the whole evolution

@@ -246,13 +246,45 @@ class EvaluateConfig(Section):
         return v
 
 
+class RerankConfig(Section):
+    """Best-of-N at test time (the paper's critic-rerank ablation): `rerank@k` plays the evaluation
+    episodes with the policy before iteration k's update, drawing N actions from it and taking the one
+    the critic of iteration k values most. No policy update is involved."""
+
+    best_of: int = Field(0, ge=0)
+    """N actions drawn per step (0 = no `rerank@k` stage). Admissible action mode only."""
+    temperature: float = Field(1.0, gt=0)
+    """Temperature of the policy distribution the N actions are drawn from."""
+
+
+class OnlineConfig(TrainConfig):
+    """The online RL baseline (`evolve.method: grpo`): GRPO with the outcome reward only, from the BC
+    policy, each iteration `online@k` spending `env_steps` environment steps on train tasks. Each round
+    plays `group_size` sampled episodes of `tasks_per_round` tasks; an episode's advantage is its return
+    less its group's mean, over the group's standard deviation, given to every action it took; one
+    clipped-surrogate update (policy.clip_low/clip_high, policy.kl_coef to the round's behaviour policy)
+    follows each round."""
+
+    env_steps: int = Field(1000, gt=0)
+    """Environment steps per iteration (the benchmark sets it to Q-Evolve's own)."""
+    tasks_per_round: int = Field(4, gt=0)
+    group_size: int = Field(4, ge=2)
+    epochs: int = Field(1, gt=0)
+    """Passes over each round's episodes."""
+    lr: float = Field(2e-4, gt=0)
+    seed: int = 1
+
+
 class MlflowConfig(Section):
     experiment: str = "qevolve"
 
 
 class EvolveConfig(Section):
     iterations: int = Field(0, ge=0)
-    """Q-Evolve iterations after BC (0 = BC and its evaluation only)."""
+    """Iterations after BC (0 = BC and its evaluation only)."""
+    method: Literal["qevolve", "grpo"] = "qevolve"
+    """What an iteration is: Q-Evolve's offline stages (collect, relabel, critic, advantage, policy), or
+    the online GRPO baseline (`online`; see the `online` section). Either ends with `evaluate@k`."""
 
 
 class Params(Section):
@@ -267,6 +299,8 @@ class Params(Section):
     critic: CriticConfig = CriticConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    rerank: RerankConfig = RerankConfig()
+    online: OnlineConfig = OnlineConfig()
     mlflow: MlflowConfig = MlflowConfig()
     evolve: EvolveConfig = EvolveConfig()
 
@@ -278,6 +312,10 @@ class Params(Section):
             raise ValueError(f"experts.demos: {self.env.name} has no expert(s) {unknown}; expected some of {list(experts)}")
         if self.policy.action_mode == "admissible" and not lists_actions:
             raise ValueError(f"policy.action_mode: {self.env.name} does not list valid actions; use `free`")
+        if self.rerank.best_of and self.policy.action_mode != "admissible":
+            raise ValueError("rerank.best_of: Best-of-N reranking draws from the valid actions; it needs policy.action_mode `admissible`")
+        if self.rerank.best_of and self.evolve.method != "qevolve":
+            raise ValueError("rerank.best_of: reranking uses Q-Evolve's critic; it needs evolve.method `qevolve`")
         return self
 
 

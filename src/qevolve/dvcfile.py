@@ -60,7 +60,15 @@ def spec(params: Params) -> dict:
         ),
     }
     policy = lambda k: str(paths.policy(k))  # noqa: E731
-    if n:
+    method = params.evolve.method
+    if n and method == "grpo":
+        stages["online"] = _family(
+            "online", loop, lambda k: {"policy": policy(k - 1), "steps_before": str(paths.env_steps_before(k - 1, method))},
+            [f"{SRC}/stages/online.py", f"{SRC}/stages/policy.py", *ACTING, f"{SRC}/algos/rl.py", f"{SRC}/stages/training.py", str(paths.BASE),
+             "${item.policy}", "${item.steps_before}"],
+            [*ACTING_PARAMS, "policy", "online"], ["models/policy@${key}"], ("round", "success_rate"),
+        )
+    if n and method == "qevolve":
         stages["collect"] = _family(
             "collect", loop, lambda k: {"policy": policy(k - 1), "steps_before": str(paths.env_steps_before(k - 1))},
             [f"{SRC}/stages/collect.py", *ACTING, str(paths.BASE), "${item.policy}", "${item.steps_before}"],
@@ -86,8 +94,15 @@ def spec(params: Params) -> dict:
              str(paths.BASE), "${item.previous}", str(paths.BC), "data/relabel@${key}", "data/advantage@${key}"],
             ["model", "policy"], ["models/policy@${key}"], ("step", "loss"),
         )
+    if n and params.rerank.best_of:
+        stages["rerank"] = _family(
+            "rerank", loop, lambda k: {"policy": policy(k - 1), "steps_before": str(paths.env_steps_before(k))},
+            [f"{SRC}/stages/rerank.py", f"{SRC}/stages/evaluate.py", f"{SRC}/models/critic.py", *ACTING, str(paths.BASE), "${item.policy}", "models/critic@${key}",
+             "${item.steps_before}"],
+            [*ACTING_PARAMS, "critic.micro_batch_size", "evaluate", "rerank"], ["data/rerank@${key}"],
+        )
     stages["evaluate"] = _family(
-        "evaluate", [0, *loop], lambda k: {"policy": policy(k), "steps_before": str(paths.env_steps_before(k))},
+        "evaluate", [0, *loop], lambda k: {"policy": policy(k), "steps_before": str(paths.env_steps_before(k, method))},
         [f"{SRC}/stages/evaluate.py", *ACTING, str(paths.BASE), "${item.policy}", "${item.steps_before}"],
         [*ACTING_PARAMS, "evaluate"], ["data/evaluate@${key}"],
     )

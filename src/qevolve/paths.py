@@ -27,6 +27,10 @@ def hybrid(iteration: int) -> Path:
     return Path(f"data/relabel@{iteration}")
 
 
+def reranked(iteration: int) -> Path:
+    return Path(f"data/rerank@{iteration}")
+
+
 def critic(iteration: int) -> Path:
     return Path(f"models/critic@{iteration}")
 
@@ -44,6 +48,10 @@ def curve(stage: str) -> Path:
     return METRICS / f"{stage}_curve.json"
 
 
-def env_steps_before(iteration: int) -> Path:
-    """The metrics file holding the cumulative env-step count up to iteration k's policy."""
-    return metrics("experts") if iteration == 0 else metrics(f"collect@{iteration}")
+def env_steps_before(iteration: int, method: str = "qevolve") -> Path:
+    """The metrics file holding the cumulative env-step count up to iteration k's policy: the experts'
+    for k = 0, else that of the stage that played train episodes in iteration k (`collect@k`, or
+    `online@k` for the GRPO baseline)."""
+    if iteration == 0:
+        return metrics("experts")
+    return metrics(f"{'online' if method == 'grpo' else 'collect'}@{iteration}")

@@ -112,3 +112,42 @@ class Actor:
             temperature=self.temperature, generator=generator,
         )
         return [Decision(self.tok.decode(toks, skip_special_tokens=True).strip(), logp, len(toks)) for toks, logp in out]
+
+
+class BestOfN(Actor):
+    """Best-of-N with a critic (admissible mode): draw `n` actions from the policy's distribution over the
+    valid actions (at `temperature`, with `generator`), and take the one the critic's Q(s, a) rates
+    highest. The choice is the same whether the caller asks for greedy or sampled actions."""
+
+    def __init__(self, model, tokenizer, builder: PromptBuilder, critic, n: int, temperature: float, batch_size: int, generator: torch.Generator):
+        super().__init__(model, tokenizer, builder, "admissible", temperature, 1)
+        self.critic, self.n, self.batch_size, self.generator = critic, n, batch_size, generator
+
+    def act(self, prompts, admissible, greedy, generator=None, slots=None) -> list[Decision]:
+        slots = list(range(len(prompts))) if slots is None else slots
+        cand_ids = [[self.builder.action_ids(format_action(a)) for a in acts] for acts in admissible]
+        scores = self.backend.score(slots, prompts, cand_ids)
+        drawn = []
+        for s in scores:
+            logp = torch.log_softmax(s / self.temperature, dim=-1)
+            drawn.append((logp, sorted(set(torch.multinomial(logp.exp(), self.n, replacement=True, generator=self.generator).tolist()))))
+        pairs = [(e, k) for e, (_, ks) in enumerate(drawn) for k in ks]
+        q = self.q_values([prompts[e] + cand_ids[e][k] for e, k in pairs])
+        best: dict[int, tuple[float, int]] = {}
+        for (e, k), v in zip(pairs, q):
+            if e not in best or v > best[e][0]:
+                best[e] = (v, k)
+        return [Decision(format_action(admissible[e][best[e][1]]), float(drawn[e][0][best[e][1]]), len(cand_ids[e][best[e][1]])) for e in range(len(prompts))]
+
+    @torch.no_grad()
+    def q_values(self, seqs: list[list[int]]) -> list[float]:
+        """The critic's Q at the last token of each sequence (a prompt followed by one action turn)."""
+        from qevolve.stages.training import pad_ids
+
+        out = []
+        for i in range(0, len(seqs), self.batch_size):
+            chunk = seqs[i : i + self.batch_size]
+            ids, attn = pad_ids(chunk, self.tok.pad_token_id)
+            _, q, _ = self.critic(ids, attn)
+            out += [float(q[b, len(s) - 1]) for b, s in enumerate(chunk)]
+        return out

@@ -9,11 +9,19 @@ from __future__ import annotations
 from qevolve import paths
 from qevolve.config import Params
 
-STAGES = ("experts", "base", "bc", "evaluate", "collect", "relabel", "critic", "advantage", "policy")
+STAGES = ("experts", "base", "bc", "evaluate", "collect", "relabel", "critic", "advantage", "policy", "rerank", "online")
 SETUP = ("experts", "base", "bc")
 """Run once, before the loop."""
 ITERATION = ("collect", "relabel", "critic", "advantage", "policy", "evaluate")
 """Run in this order in every Q-Evolve iteration k >= 1 (`evaluate@0` evaluates the BC policy)."""
+
+
+def iteration_stages(params: Params) -> tuple[str, ...]:
+    """The stages of iteration k >= 1 for these parameters: Q-Evolve's (with `rerank@k` before
+    `evaluate@k` when `rerank.best_of` is set), or the GRPO baseline's `online@k`."""
+    if params.evolve.method == "grpo":
+        return ("online", "evaluate")
+    return ITERATION[:-1] + ("rerank",) * bool(params.rerank.best_of) + ITERATION[-1:]
 
 
 def stage_name(stage: str, iteration: int | None = None) -> str:
@@ -21,9 +29,9 @@ def stage_name(stage: str, iteration: int | None = None) -> str:
     return stage if iteration is None else f"{stage}@{iteration}"
 
 
-def pipeline(iterations: int) -> list[tuple[str, int | None]]:
-    """(stage, iteration) in run order for an evolution of `iterations` Q-Evolve iterations."""
-    return [(s, None) for s in SETUP] + [("evaluate", 0)] + [(s, k) for k in range(1, iterations + 1) for s in ITERATION]
+def pipeline(iterations: int, stages: tuple[str, ...] = ITERATION) -> list[tuple[str, int | None]]:
+    """(stage, iteration) in run order for an evolution of `iterations` iterations of `stages`."""
+    return [(s, None) for s in SETUP] + [("evaluate", 0)] + [(s, k) for k in range(1, iterations + 1) for s in stages]
 
 
 def run_stage(stage: str, params: Params, iteration: int | None = None) -> dict:
@@ -48,10 +56,19 @@ def run_stage(stage: str, params: Params, iteration: int | None = None) -> dict:
         from qevolve.stages.bc import bc
 
         return bc(params, paths.BASE, paths.EXPERTS, paths.BC, out, paths.curve("bc"))
+    method = params.evolve.method
     if stage == "evaluate":
         from qevolve.stages.evaluate import evaluate
 
-        return evaluate(params, paths.BASE, paths.policy(k), paths.evaluation(k), out, k, paths.env_steps_before(k))
+        return evaluate(params, paths.BASE, paths.policy(k), paths.evaluation(k), out, k, paths.env_steps_before(k, method))
+    if stage == "rerank":
+        from qevolve.stages.rerank import rerank
+
+        return rerank(params, paths.BASE, paths.policy(k - 1), paths.critic(k), paths.reranked(k), out, k, paths.env_steps_before(k))
+    if stage == "online":
+        from qevolve.stages.online import online
+
+        return online(params, paths.BASE, paths.policy(k - 1), paths.policy(k), out, paths.curve(name), k, paths.env_steps_before(k - 1, method))
     if stage == "collect":
         from qevolve.stages.collect import collect
 

@@ -37,6 +37,7 @@ def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics
     env_steps = sum(len(t.steps) for t in trajs)
     before = json.loads(Path(previous_metrics).read_text())
     tokens = sum(s.prompt_tokens + s.output_tokens for t in trajs for s in t.steps)
+    generated = sum(s.output_tokens for t in trajs for s in t.steps)
     metrics = {
         "truncated_observations": len(actor.builder.truncated),
         "env_failures": sum(failures.values()),
@@ -48,6 +49,8 @@ def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics
         "cumulative_env_steps": before["cumulative_env_steps"] + env_steps,
         "tokens": tokens,
         "cumulative_tokens": before.get("cumulative_tokens", 0) + tokens,
+        "generated_tokens": generated,
+        "cumulative_generated_tokens": before.get("cumulative_generated_tokens", 0) + generated,
         "invalid_rate": sum(not s.valid for t in trajs for s in t.steps) / max(env_steps, 1),
     }
     write_json(metrics_path, metrics)

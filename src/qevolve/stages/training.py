@@ -108,7 +108,7 @@ def train(
         optimizer, lambda s: min((s + 1) / warmup, max(0.0, (total - s) / max(1, total - warmup)))
     )
     fingerprint = _fingerprint(desc, cfg, [length(it) for it in items])
-    saved = _changing_tensors(model)
+    saved = changing_tensors(model)
     curve: list[dict] = []
     epoch, skip, epoch_rng = 0, 0, rng.getstate()
     if checkpoint is not None and checkpoint.exists():
@@ -163,7 +163,7 @@ def checkpoint_path(out: Path) -> Path:
     return out.parent / f".{out.name}.checkpoint"
 
 
-def _changing_tensors(model: torch.nn.Module) -> set[str]:
+def changing_tensors(model: torch.nn.Module) -> set[str]:
     """State-dict names of what training changes: trainable parameters, plus what the model names in
     `checkpoint_extra` (e.g. a target network updated outside the optimiser)."""
     names = {n for n, p in model.named_parameters() if p.requires_grad}

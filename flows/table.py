@@ -1,0 +1,347 @@
+"""The benchmark table: the paper's comparison, ablations and online baseline, run in miniature.
+
+A spec (`benchmarks/table.yaml`, `benchmarks/table-smoke.yaml`) names workspaces, each a set of parameter
+changes over a base profile run for some iterations and seeds, and rows, each one stage's evaluation in
+one workspace. Every workspace and seed is an evolution of its own (`flows.evolve`) in
+`<out>/<workspace>-s<seed>/`, and all of them share one DVC cache: a stage whose code, parameters and
+inputs match one already run anywhere in the table (BC per seed, `collect@1` for the ablations) is
+checked out from DVC's run cache instead of being computed again. A killed table resumes the same way.
+
+    python -m flows.table benchmarks/table.yaml                 # into runs/<name>/
+    python -m flows.table benchmarks/table-smoke.yaml --out /tmp/smoke
+
+It writes `<out>/table.md` (mean and std over seeds per row), `<out>/results.json`, `<out>/curves/`
+and their DVC plots rendered to `<out>/success.png`, and logs one MLflow parent run for the table with one
+child run per row and seed (`<out>/mlflow.db`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from prefect import flow
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from qevolve.config import ConfigError, parse_params
+from qevolve.data.atomic import atomic_path, write_json
+
+ROOT = Path(__file__).resolve().parent.parent
+SEED_KEYS = {"bc.seed": 1, "collect.seed": 100, "critic.seed": 1, "policy.seed": 1, "online.seed": 100}
+"""What a seed changes: each key gets `base value + seed * step` (collect and online seeds step by 100, since
+iteration k already adds k to them)."""
+SPLITS = ("valid_seen", "valid_unseen")
+
+
+class Workspace(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    label: str
+    """The method's name in plots."""
+    iterations: int = Field(ge=0)
+    seeds: int = Field(1, gt=0)
+    """How many of the table's seeds run this workspace (the first n)."""
+    set: dict[str, object] = Field(default_factory=dict)
+    """Dotted parameter -> value, over the base profile."""
+    match_env_steps: str | None = None
+    """Another workspace: `online.env_steps` is set to the env steps its first seed's rollouts took over
+    all its iterations (one iteration of the online baseline then spends what that workspace spent)."""
+
+
+class Row(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    workspace: str
+    stage: str
+    """The stage whose per-split metrics the row reports: `evaluate@k` or `rerank@k`."""
+
+
+class Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    base: str
+    """The params file every workspace starts from, relative to the repository root."""
+    set: dict[str, object] = Field(default_factory=dict)
+    """Dotted parameter -> value for every workspace (before the workspace's own)."""
+    seeds: list[int] = Field(min_length=1)
+    workspaces: dict[str, Workspace]
+    rows: list[Row] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Spec":
+        names = list(self.workspaces)
+        for name, ws in self.workspaces.items():
+            if ws.seeds > len(self.seeds):
+                raise ValueError(f"workspaces.{name}.seeds: {ws.seeds} but the table has {len(self.seeds)} seeds")
+            if ws.match_env_steps is not None and ws.match_env_steps not in names[: names.index(name)]:
+                raise ValueError(f"workspaces.{name}.match_env_steps: expected a workspace listed before it, got {ws.match_env_steps!r}")
+        for i, row in enumerate(self.rows):
+            ws = self.workspaces.get(row.workspace)
+            if ws is None:
+                raise ValueError(f"rows.{i}.workspace: unknown workspace {row.workspace!r}; expected one of {names}")
+            stage, _, k = row.stage.partition("@")
+            if stage not in ("evaluate", "rerank") or not k.isdigit() or int(k) > ws.iterations:
+                raise ValueError(f"rows.{i}.stage: expected evaluate@k or rerank@k with k <= {ws.iterations}, got {row.stage!r}")
+        return self
+
+
+def load_spec(path: Path) -> Spec:
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+        return Spec.model_validate(raw)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: table spec not found") from None
+    except ValidationError as err:
+        lines = [f"{path}: invalid table spec"]
+        for e in err.errors():
+            where = ".".join(map(str, e["loc"]))
+            lines.append(f"  {where}: {e['msg']} (got {e.get('input')!r})" if where else f"  {e['msg'].removeprefix('Value error, ')}")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def set_dotted(params: dict, key: str, value) -> None:
+    *path, last = key.split(".")
+    node = params
+    for part in path:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[last] = copy.deepcopy(value)  # the spec's own values are never changed by later keys
+
+
+def workspace_params(spec: Spec, name: str, seed: int, env_steps: int | None) -> dict:
+    """The base profile with the workspace's changes, the seed's offsets and the matched env steps;
+    validated, so a bad key fails before anything runs."""
+    params = yaml.safe_load((ROOT / spec.base).read_text())
+    ws = spec.workspaces[name]
+    for key, value in {**spec.set, **ws.set}.items():
+        set_dotted(params, key, value)
+    params.setdefault("evolve", {})["iterations"] = ws.iterations
+    defaults = parse_params(params, f"{spec.name}/{name}").model_dump()
+    for key, step in SEED_KEYS.items():
+        section, field = key.split(".")
+        set_dotted(params, key, defaults[section][field] + seed * step)
+    if env_steps is not None:
+        set_dotted(params, "online.env_steps", env_steps)
+    parse_params(params, f"{spec.name}/{name}-s{seed}")
+    return params
+
+
+def prepare(root: Path, params: dict, cache: Path) -> None:
+    """A workspace: the stages' code (identical everywhere, so the run cache matches across workspaces),
+    params.yaml, and a DVC repository whose cache is the table's."""
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(ROOT / "src", root / "src", dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    text = yaml.safe_dump(params, sort_keys=False)
+    if not (root / "params.yaml").exists() or (root / "params.yaml").read_text() != text:
+        with atomic_path(root / "params.yaml") as tmp:
+            tmp.write_text(text)
+    if not (root / ".dvc").exists():
+        subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=root, check=True)
+        subprocess.run([sys.executable, "-m", "dvc", "cache", "dir", str(cache)], cwd=root, check=True)
+
+
+def spent_env_steps(root: Path, iterations: int) -> int:
+    """Env steps the workspace's own rollouts took in its first `iterations` iterations."""
+    metrics = lambda name: json.loads((root / "metrics" / f"{name}.json").read_text())  # noqa: E731
+    return metrics(f"collect@{iterations}")["cumulative_env_steps"] - metrics("experts")["cumulative_env_steps"]
+
+
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def gather(spec: Spec, out: Path) -> list[dict]:
+    """Per row: per seed, the row stage's metrics per split, and the env steps and tokens behind it."""
+    results = []
+    for row in spec.rows:
+        ws = spec.workspaces[row.workspace]
+        seeds = []
+        for seed in spec.seeds[: ws.seeds]:
+            root = out / f"{row.workspace}-s{seed}"
+            m = json.loads((root / "metrics" / f"{row.stage}.json").read_text())
+            experts = json.loads((root / "metrics" / "experts.json").read_text())["cumulative_env_steps"]
+            first = next(iter(m.values()))
+            seeds.append({
+                "seed": seed, "workspace": str(root.relative_to(out)),
+                **{f"{split}/{key}": m[split][key] for split in SPLITS if split in m for key in ("success_rate", "avg_reward", "episodes")},
+                "expert_env_steps": experts,
+                "own_env_steps": first["cumulative_env_steps"] - experts,
+                "generated_tokens": first.get("cumulative_generated_tokens", 0),
+            })
+        results.append({"row": row.name, "workspace": row.workspace, "stage": row.stage, "seeds": seeds})
+    return results
+
+
+def fmt(values: list[float], percent: bool = False, digits: int = 3) -> str:
+    m, s = mean_std(values)
+    if percent:
+        return f"{100 * m:.1f}" + (f" ± {100 * s:.1f}" if s is not None else "")
+    if digits == 0:
+        return f"{m:,.0f}" + (f" ± {s:,.0f}" if s is not None else "")
+    return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if s is not None else "")
+
+
+def markdown(results: list[dict]) -> str:
+    head = "| # | row | seeds | seen success % | seen reward | unseen success % | unseen reward | own env steps | generated tokens |"
+    lines = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for i, r in enumerate(results, 1):
+        col = lambda key: [s[key] for s in r["seeds"] if key in s]  # noqa: E731
+        lines.append(
+            f"| {i} | {r['row']} | {len(r['seeds'])} | {fmt(col('valid_seen/success_rate'), True)} | {fmt(col('valid_seen/avg_reward'))} | "
+            f"{fmt(col('valid_unseen/success_rate'), True)} | {fmt(col('valid_unseen/avg_reward'))} | {fmt(col('own_env_steps'), digits=0)} | "
+            f"{fmt(col('generated_tokens'), digits=0)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_curves(spec: Spec, out: Path) -> None:
+    """Per workspace, mean success per split against iteration and own env steps (one file per method,
+    which is how DVC colours the lines), with the DVC plots that draw them."""
+    folder = out / "curves"
+    folder.mkdir(exist_ok=True)
+    files = []
+    for name, ws in spec.workspaces.items():
+        if ws.set.get("rerank.best_of"):
+            continue  # a test-time variant: its evaluate@k curve is Q-Evolve's own
+        rows = []
+        for k in range(ws.iterations + 1):
+            points = []
+            for seed in spec.seeds[: ws.seeds]:
+                root = out / f"{name}-s{seed}"
+                m = json.loads((root / "metrics" / f"evaluate@{k}.json").read_text())
+                experts = json.loads((root / "metrics" / "experts.json").read_text())["cumulative_env_steps"]
+                points.append({**{s: m[s]["success_rate"] for s in SPLITS if s in m}, "env_steps": next(iter(m.values()))["cumulative_env_steps"] - experts})
+            rows.append({"iteration": k, **{key: statistics.mean(p[key] for p in points) for key in points[0]}})
+        path = folder / f"{ws.label}.json"
+        write_json(path, rows)
+        files.append(path.relative_to(out).as_posix())
+    plots = [
+        {f"success_by_{x}": {"template": "simple", "x": x, "y": {f: list(SPLITS) for f in files}, "y_label": "success rate", "title": f"Success rate by {x.replace('_', ' ')}"}}
+        for x in ("iteration", "env_steps")
+    ]
+    (out / "dvc.yaml").write_text(yaml.safe_dump({"plots": plots}, sort_keys=False))
+
+
+def render_plots(out: Path) -> list[Path]:
+    """`dvc plots show` of the table's curves, each Vega-Lite plot rendered to a PNG."""
+    import vl_convert
+
+    if not (out / ".dvc").exists():
+        subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=out, check=True)
+    shown = subprocess.run([sys.executable, "-m", "dvc", "plots", "show", "--json"], cwd=out, check=True, capture_output=True, text=True)
+    images = []
+    for name, renders in json.loads(shown.stdout)["data"].items():
+        chart = renders[0]["content"]
+        # DVC colours by revision (one here) and dashes by file::field; a still image reads better with
+        # one colour per method (file) and one dash per split (field), and points on the lines.
+        chart["transform"] = [
+            {"calculate": "replace(split(datum['filename::field'], '::')[0], '.json', '')", "as": "method"},
+            {"calculate": "split(datum['filename::field'], '::')[1]", "as": "split"},
+        ]
+        chart["mark"] = {"type": "line", "point": True}
+        chart["encoding"]["color"] = {"field": "method", "type": "nominal"}
+        chart["encoding"]["strokeDash"] = {"field": "split", "type": "nominal"}
+        chart["encoding"]["y"]["scale"] = {"domain": [0, 1]}
+        path = out / f"{name}.png"
+        with atomic_path(path) as tmp:
+            tmp.write_bytes(vl_convert.vegalite_to_png(json.dumps(chart), scale=1.5))
+        images.append(path)
+    return images
+
+
+def git_commit() -> str:
+    """The checkout's commit, marked `-dirty` when tracked files differ from it."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return head + ("-dirty" if dirty else "") if head else "unknown"
+
+
+def log_table(spec: Spec, results: list[dict], wall_s: float, images: list[Path], commit: str) -> str:
+    """One MLflow parent run for the table, one child per row and seed; returns the parent's id."""
+    import mlflow
+
+    mlflow.set_experiment(f"table-{spec.name}")
+    with mlflow.start_run(run_name=f"table-{spec.name}", tags={"qevolve.git_commit": commit}) as parent:
+        mlflow.log_metric("wall_s", wall_s)
+        mlflow.log_text(markdown(results), "table.md")
+        for image in images:
+            mlflow.log_artifact(str(image))
+        for i, r in enumerate(results, 1):
+            for s in r["seeds"]:
+                with mlflow.start_run(run_name=f"{i}. {r['row']} (seed {s['seed']})", nested=True,
+                                      tags={"qevolve.row": r["row"], "qevolve.stage": r["stage"], "qevolve.workspace": s["workspace"]}):
+                    mlflow.log_params({"row": i, "seed": s["seed"], "workspace": r["workspace"], "stage": r["stage"]})
+                    mlflow.log_metrics({k.replace("/", "_"): float(v) for k, v in s.items() if isinstance(v, (int, float)) and k != "seed"})
+        return parent.info.run_id
+
+
+@flow(name="table")
+def table(spec_path: str, out: str | None = None) -> dict:
+    """Run every workspace and seed of the spec (each an evolution), then write and log the table."""
+    from flows.evolve import evolve
+
+    start = time.perf_counter()
+    commit = git_commit()
+    spec = load_spec(Path(spec_path))
+    out_dir = Path(out or ROOT / "runs" / spec.name).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{out_dir / 'mlflow.db'}")
+    # Seed-major: every workspace's first seed before any second seed, so a partial table has every row.
+    plan = [(name, seed) for i, seed in enumerate(spec.seeds) for name, ws in spec.workspaces.items() if i < ws.seeds]
+    for name, ws in spec.workspaces.items():  # validate every workspace's parameters before any compute
+        for seed in spec.seeds[: ws.seeds]:
+            workspace_params(spec, name, seed, 1 if ws.match_env_steps else None)
+    for n, (name, seed) in enumerate(plan, 1):
+        ws = spec.workspaces[name]
+        env_steps = None
+        if ws.match_env_steps:
+            env_steps = spent_env_steps(out_dir / f"{ws.match_env_steps}-s{spec.seeds[0]}", spec.workspaces[ws.match_env_steps].iterations)
+        root = out_dir / f"{name}-s{seed}"
+        prepare(root, workspace_params(spec, name, seed, env_steps), out_dir / "dvc-cache")
+        print(f"[table] {n}/{len(plan)}: {name} seed {seed} in {root}", flush=True)
+        try:
+            evolve(root=str(root))
+        finally:
+            os.chdir(ROOT)
+    results = gather(spec, out_dir)
+    wall = time.perf_counter() - start
+    write_curves(spec, out_dir)
+    images = render_plots(out_dir)
+    run_id = log_table(spec, results, wall, images, commit)
+    text = markdown(results)
+    write_json(out_dir / "results.json", {"spec": spec.model_dump(), "rows": results, "wall_s": wall, "git_commit": commit, "mlflow_parent_run_id": run_id})
+    with atomic_path(out_dir / "table.md") as tmp:
+        tmp.write_text(text)
+    return {"out": str(out_dir), "mlflow_parent_run_id": run_id, "wall_s": wall, "table": text, "images": [str(p) for p in images], "git_commit": commit}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("spec", help="table spec, e.g. benchmarks/table.yaml")
+    parser.add_argument("--out", help="output folder (default runs/<spec name>)")
+    args = parser.parse_args(argv)
+    try:
+        result = table(args.spec, args.out)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    print()
+    print(result["table"])
+    print(f"wall time {result['wall_s'] / 60:.1f} min at commit {result['git_commit']}; MLflow parent run {result['mlflow_parent_run_id']} "
+          f"in {result['out']}/mlflow.db; plots {', '.join(result['images'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
