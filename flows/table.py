@@ -139,7 +139,8 @@ def prepare(root: Path, params: dict, cache: Path) -> None:
     """A workspace: the stages' code (identical everywhere, so the run cache matches across workspaces),
     params.yaml, and a DVC repository whose cache is the table's."""
     root.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(ROOT / "src", root / "src", dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.rmtree(root / "src", ignore_errors=True)  # a file deleted from the checkout goes from the copy too
+    shutil.copytree(ROOT / "src", root / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     text = yaml.safe_dump(params, sort_keys=False)
     if not (root / "params.yaml").exists() or (root / "params.yaml").read_text() != text:
         with atomic_path(root / "params.yaml") as tmp:
