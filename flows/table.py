@@ -150,10 +150,18 @@ def prepare(root: Path, params: dict, cache: Path) -> None:
         subprocess.run([sys.executable, "-m", "dvc", "cache", "dir", str(cache)], cwd=root, check=True)
 
 
+def read_metrics(root: Path, stage: str) -> dict:
+    return json.loads((root / "metrics" / f"{stage}.json").read_text())
+
+
+def own_env_steps(root: Path, cumulative: int) -> int:
+    """Env steps of the workspace's own rollouts in a cumulative count (the experts' steps taken off)."""
+    return cumulative - read_metrics(root, "experts")["cumulative_env_steps"]
+
+
 def spent_env_steps(root: Path, iterations: int) -> int:
     """Env steps the workspace's own rollouts took in its first `iterations` iterations."""
-    metrics = lambda name: json.loads((root / "metrics" / f"{name}.json").read_text())  # noqa: E731
-    return metrics(f"collect@{iterations}")["cumulative_env_steps"] - metrics("experts")["cumulative_env_steps"]
+    return own_env_steps(root, read_metrics(root, f"collect@{iterations}")["cumulative_env_steps"])
 
 
 def mean_std(values: list[float]) -> tuple[float, float | None]:
@@ -168,8 +176,8 @@ def gather(spec: Spec, out: Path) -> list[dict]:
         seeds = []
         for seed in spec.seeds[: ws.seeds]:
             root = out / f"{row.workspace}-s{seed}"
-            m = json.loads((root / "metrics" / f"{row.stage}.json").read_text())
-            experts = json.loads((root / "metrics" / "experts.json").read_text())["cumulative_env_steps"]
+            m = read_metrics(root, row.stage)
+            experts = read_metrics(root, "experts")["cumulative_env_steps"]
             first = next(iter(m.values()))
             seeds.append({
                 "seed": seed, "workspace": str(root.relative_to(out)),
@@ -218,9 +226,8 @@ def write_curves(spec: Spec, out: Path) -> None:
             points = []
             for seed in spec.seeds[: ws.seeds]:
                 root = out / f"{name}-s{seed}"
-                m = json.loads((root / "metrics" / f"evaluate@{k}.json").read_text())
-                experts = json.loads((root / "metrics" / "experts.json").read_text())["cumulative_env_steps"]
-                points.append({**{s: m[s]["success_rate"] for s in SPLITS if s in m}, "env_steps": next(iter(m.values()))["cumulative_env_steps"] - experts})
+                m = read_metrics(root, f"evaluate@{k}")
+                points.append({**{s: m[s]["success_rate"] for s in SPLITS if s in m}, "env_steps": own_env_steps(root, next(iter(m.values()))["cumulative_env_steps"])})
             rows.append({"iteration": k, **{key: statistics.mean(p[key] for p in points) for key in points[0]}})
         path = folder / f"{ws.label}.json"
         write_json(path, rows)
