@@ -13,6 +13,7 @@ and the benchmark fails if any run takes a different action than the naive loop.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", nargs="+", default=["admissible", "free"], choices=["admissible", "free"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     args = ap.parse_args(argv)
+    # every run translates its games afresh (in memory only; the workers inherit this), as the first did
+    os.environ["QEVOLVE_SAS_CACHE"] = "off"
 
     from qevolve.envs import make_env, select_tasks
     from qevolve.models.policy import Actor, load_policy

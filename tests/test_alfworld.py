@@ -52,6 +52,25 @@ def test_walkthrough_expert_follows_the_gold_path(alfworld_data):
         AlfworldEnv(alfworld_data, expert="planner")
 
 
+def test_translations_are_kept_on_disk_for_later_processes(alfworld_data, tmp_path, monkeypatch):
+    """A reset in a new process reads the game's PDDL-to-SAS translation from disk instead of redoing it."""
+    import fast_downward
+
+    monkeypatch.setenv("QEVOLVE_SAS_CACHE", str(tmp_path))
+    env = AlfworldEnv(alfworld_data, expert="walkthrough")
+    task = next(t for t in env.tasks("valid_seen") if t.type == "pick_and_place_simple")
+    getattr(fast_downward.pddl2sas, "cache", {}).clear()  # earlier tests' games are held in memory
+    first = env.reset(task)
+    files = {f: f.stat().st_ino for f in tmp_path.glob("*.pkl")}
+    assert len(files) == 1
+    fast_downward.pddl2sas.cache.clear()  # as a new process would start
+    assert env.reset(task) == first
+    assert {f: f.stat().st_ino for f in tmp_path.glob("*.pkl")} == files  # read, not written again
+    while (action := env.expert_action()) is not None:
+        won = env.step(action).won
+    assert won
+
+
 def test_two_environments_on_the_same_game_stay_independent(alfworld_data):
     """Resets share TextWorld's PDDL grounding through a cache; the games' states must not be shared."""
     import fast_downward

@@ -3,7 +3,8 @@
 Games are read from `$ALFWORLD_DATA/json_2.1.1/<split>/<task>/<trial>/game.tw-pddl`, ALFWorld's own layout.
 One TextWorld environment object is kept and each game is loaded into it (`load` + `reset`), which is
 how ALFWorld's own loader reuses an environment. TextWorld translates the same PDDL problem four times
-per game; `_memoize_grounding` makes it once, which cuts a reset from about 3 s to under 1 s here.
+per game; `_memoize_grounding` makes it once, which cuts a reset from about 3 s to under 1 s here, and
+keeps it on disk for later processes.
 """
 
 from __future__ import annotations
@@ -114,17 +115,30 @@ def split_observation(feedback: str) -> tuple[str, str]:
     return task.strip(), obs.strip()
 
 
+def sas_cache_dir() -> Path | None:
+    """Where PDDL-to-SAS translations are kept between processes: `$QEVOLVE_SAS_CACHE`, default
+    `~/.cache/qevolve/pddl2sas`; the value `off` keeps them in memory only."""
+    value = os.environ.get("QEVOLVE_SAS_CACHE", str(Path.home() / ".cache" / "qevolve" / "pddl2sas"))
+    return None if value == "off" else Path(value).expanduser()
+
+
 def _memoize_grounding() -> None:
-    """Serve TextWorld's PDDL-to-SAS translations of one game from a small cache.
+    """Serve TextWorld's PDDL-to-SAS translations of a game from a cache, in memory and on disk.
 
     TextWorld translates each game four times per reset: plain and "optimised", in both `load` and
-    `reset`. The translation is a pure function of (domain, problem) and its result is only read, so
-    `load` and `reset` share it. The optimised one only speeds up TextWorld's replanning (`policy_commands`,
-    the `walkthrough` extra), which qevolve never requests; the plain translation is a valid task for
-    the replanner too, so it serves both. A reset then costs one translation instead of four.
-    Idempotent; applied once per process.
+    `reset`. The translation is a pure function of (domain, problem) and its result, a (task, SAS text) pair, is only
+    read, so `load` and `reset` share it. The optimised one only speeds up TextWorld's replanning
+    (`policy_commands`, the `walkthrough` extra), which qevolve never requests; the plain translation is a
+    valid task for the replanner too, so it serves both. A reset then costs one translation instead of four,
+    and none once the game has been translated by any earlier process (`sas_cache_dir`): every stage is
+    its own process and replays the same evaluation games. Idempotent; applied once per process.
     """
+    import hashlib
+    import pickle
+
     import fast_downward
+
+    from qevolve.data.atomic import atomic_path
 
     if getattr(fast_downward.pddl2sas, "_qevolve_cached", False):
         return
@@ -136,7 +150,16 @@ def _memoize_grounding() -> None:
         if key not in cache:
             if len(cache) >= 2:  # this game and the previous one
                 cache.pop(next(iter(cache)))
-            cache[key] = translate(domain, problem, verbose=verbose, optimize=False)
+            folder = sas_cache_dir()
+            digest = hashlib.sha256((domain + "\0" + problem).encode()).hexdigest()
+            file = folder / f"{digest}.pkl" if folder else None
+            if file is not None and file.exists():
+                cache[key] = pickle.loads(file.read_bytes())
+            else:
+                cache[key] = translate(domain, problem, verbose=verbose, optimize=False)
+                if file is not None:
+                    with atomic_path(file) as tmp:
+                        tmp.write_bytes(pickle.dumps(cache[key]))
         return cache[key]
 
     pddl2sas._qevolve_cached = True
