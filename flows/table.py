@@ -9,6 +9,7 @@ checked out from DVC's run cache instead of being computed again. A killed table
 
     python -m flows.table benchmarks/table.yaml                 # into runs/<name>/
     python -m flows.table benchmarks/table-smoke.yaml --out /tmp/smoke
+    python -m flows.table benchmarks/table.yaml --seeds 1       # the first seed only
 
 It writes `<out>/table.md` (mean and std over seeds per row), `<out>/results.json`, `<out>/curves/`
 and their DVC plots rendered to `<out>/success.png`, and logs one MLflow parent run for the table with one
@@ -105,6 +106,15 @@ def load_spec(path: Path) -> Spec:
             where = ".".join(map(str, e["loc"]))
             lines.append(f"  {where}: {e['msg']} (got {e.get('input')!r})" if where else f"  {e['msg'].removeprefix('Value error, ')}")
         raise ConfigError("\n".join(lines)) from None
+
+
+def first_seeds(spec: Spec, n: int) -> Spec:
+    """The spec cut to its first `n` seeds (every workspace runs at most `n`): a quick first table, or the
+    table of what a stopped run has finished, since every finished stage is restored, not rerun."""
+    if n < 1:
+        raise ConfigError(f"--seeds: expected at least 1, got {n}")
+    workspaces = {name: ws.model_copy(update={"seeds": min(ws.seeds, n)}) for name, ws in spec.workspaces.items()}
+    return spec.model_copy(update={"seeds": spec.seeds[:n], "workspaces": workspaces})
 
 
 def set_dotted(params: dict, key: str, value) -> None:
@@ -293,13 +303,16 @@ def log_table(spec: Spec, results: list[dict], wall_s: float, images: list[Path]
 
 
 @flow(name="table")
-def table(spec_path: str, out: str | None = None) -> dict:
-    """Run every workspace and seed of the spec (each an evolution), then write and log the table."""
+def table(spec_path: str, out: str | None = None, seeds: int | None = None) -> dict:
+    """Run every workspace and seed of the spec (each an evolution; only the first `seeds` seeds if
+    given), then write and log the table."""
     from flows.evolve import evolve
 
     start = time.perf_counter()
     commit = git_commit()
     spec = load_spec(Path(spec_path))
+    if seeds is not None:
+        spec = first_seeds(spec, seeds)
     out_dir = Path(out or ROOT / "runs" / spec.name).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     import mlflow
@@ -338,9 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("spec", help="table spec, e.g. benchmarks/table.yaml")
     parser.add_argument("--out", help="output folder (default runs/<spec name>)")
+    parser.add_argument("--seeds", type=int, help="run only the spec's first N seeds")
     args = parser.parse_args(argv)
     try:
-        result = table(args.spec, args.out)
+        result = table(args.spec, args.out, args.seeds)
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2

@@ -112,13 +112,18 @@ def test_grpo_and_rerank_stages_run_and_update(tmp_path, monkeypatch):
 
 
 def test_table_spec_errors_name_the_field(tmp_path):
-    from flows.table import load_spec, workspace_params
+    from flows.table import first_seeds, load_spec, workspace_params
 
     spec = yaml.safe_load((REPO / "benchmarks" / "table-smoke.yaml").read_text())
     assert load_spec(REPO / "benchmarks" / "table-smoke.yaml").name == "smoke"
     full = load_spec(REPO / "benchmarks" / "table.yaml")
     for name, ws in full.workspaces.items():  # every workspace of the real table validates
         workspace_params(full, name, full.seeds[-1], 100 if ws.match_env_steps else None)
+    one = first_seeds(full, 1)
+    assert one.seeds == full.seeds[:1] and {ws.seeds for ws in one.workspaces.values()} == {1}
+    assert max(ws.seeds for ws in full.workspaces.values()) > 1  # the cut changed something
+    with pytest.raises(ConfigError, match="--seeds: expected at least 1, got 0"):
+        first_seeds(full, 0)
     cases = [
         ({"rows": [{"name": "x", "workspace": "nope", "stage": "evaluate@0"}]}, "rows.0.workspace: unknown workspace 'nope'"),
         ({"rows": [{"name": "x", "workspace": "qevolve", "stage": "evaluate@3"}]}, "rows.0.stage"),
