@@ -193,6 +193,32 @@ def _memoize_text_parsing() -> None:
         module._parse_and_convert = cached
 
 
+def _copy_contexts_shallowly() -> None:
+    """Copy TextWorld's text-generation contexts without deep-copying the game's objects.
+
+    Text generation copies its context for every symbol it derives, deep-copying the `variables` and
+    `mapping` dicts and with them every entity of the game, which is most of a step's and a reset's cost.
+    The copies exist so that one derivation's `dict.update` of those two dicts does not leak into its
+    siblings; the entities and logic variables in them are only read. Copying the two dicts keeps that
+    isolation: the same observations and admissible commands, step for step (tests/test_alfworld.py).
+    Idempotent; applied once per process."""
+    from textworld.envs.pddl import textgen
+
+    if getattr(textgen.copy_context, "_qevolve_shallow", False):
+        return
+    deep = textgen.copy_context
+
+    def copy_context(context):
+        return {
+            "state": context["state"], "facts": context["facts"], "entity_infos": context["entity_infos"],
+            "variables": dict(context["variables"]), "mapping": dict(context["mapping"]),
+        }
+
+    copy_context._qevolve_shallow = True
+    copy_context.deep = deep  # the original, for the equivalence test
+    textgen.copy_context = copy_context
+
+
 class AlfworldEnv:
     """One TextWorld environment, reused across games. Not thread-safe; one per worker."""
 
@@ -229,6 +255,7 @@ class AlfworldEnv:
         if self._env is None:
             _memoize_grounding()
             _memoize_text_parsing()
+            _copy_contexts_shallowly()
             extras = ["gamefile"] + (["expert_plan"] if self.expert == "handcoded" else [])
             infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=extras)
             self._env = textworld.start(str(game), request_infos=infos, wrappers=self._wrappers())
