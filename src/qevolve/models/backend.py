@@ -44,25 +44,11 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def similar_widths(widths: list[int], max_padding: float) -> list[list[int]]:
-    """Indices of `widths` in groups of similar width: padding a group to its widest adds at most
-    `max_padding` times its real width (a lone row is always a group). Narrowest first."""
-    groups: list[list[int]] = []
-    for i in sorted(range(len(widths)), key=widths.__getitem__):
-        group = groups[-1] if groups else []
-        if group and widths[i] * (len(group) + 1) > (1 + max_padding) * (sum(widths[j] for j in group) + widths[i]):
-            group = []
-        if not group:
-            groups.append(group)
-        group.append(i)
-    return groups
-
-
 class HFBackend:
     """A Hugging Face causal LM (peft-wrapped or not) run in this process; see the module docstring."""
 
-    def __init__(self, model, pad_id: int, reuse: bool = True, max_padding: float = 0.25):
-        self.model, self.pad_id, self.reuse, self.max_padding = model, pad_id, reuse, max_padding
+    def __init__(self, model, pad_id: int, reuse: bool = True):
+        self.model, self.pad_id, self.reuse = model, pad_id, reuse
         # The transformer body and the LM head apart: logits are computed only where they are read.
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.body, self.head = base.base_model, model.get_output_embeddings()
@@ -151,17 +137,6 @@ class HFBackend:
 
     @torch.no_grad()
     def score(self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]) -> list[torch.Tensor]:
-        # Rows carry 10 to 40 candidates each; padding them all to the widest wastes more than a CPU gains
-        # from one wide matrix, so rows of similar width are scored together.
-        widths = [len(p) - self._reusable(s, p)[0] + sum(map(len, c)) for s, p, c in zip(slots, prompts, candidates)]
-        out: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
-        for group in similar_widths(widths, self.max_padding):
-            scores = self._score([slots[i] for i in group], [prompts[i] for i in group], [candidates[i] for i in group])
-            for i, row in zip(group, scores):
-                out[i] = row
-        return out
-
-    def _score(self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]) -> list[torch.Tensor]:
         hidden, layout, _, _ = self._forward(slots, prompts, candidates)
         rows, at, targets, owner = [], [], [], []  # owner: (row, candidate) of each scored token
         for b, ((s, starts), cands) in enumerate(zip(layout, candidates)):
