@@ -12,7 +12,7 @@ checked out from DVC's run cache instead of being computed again. A killed table
     python -m flows.table benchmarks/table.yaml --seeds 1       # the first seed only
 
 It writes `<out>/table.md` (mean and std over seeds per row), `<out>/results.json`, `<out>/curves/`
-and their DVC plots rendered to `<out>/success.png`, and logs one MLflow parent run for the table with one
+and their DVC plots rendered to `<out>/success_by_iteration.png` and `success_by_env_steps.png`, and logs one MLflow parent run for the table with one
 child run per row and seed (`<out>/mlflow.db`).
 """
 

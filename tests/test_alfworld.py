@@ -74,33 +74,19 @@ def test_translations_are_kept_on_disk_for_later_processes(alfworld_data, tmp_pa
 def test_shallow_context_copies_change_no_observation(alfworld_data):
     """Text generation with shallow context copies gives the deep copies' observations and commands, step
     for step, on games of every task type played by a mix of expert and random actions."""
-    import random
-
     from textworld.envs.pddl import textgen
+
+    from benchmarks.alfworld import play
 
     env = AlfworldEnv(alfworld_data)
     tasks = env.tasks("valid_unseen")
     games = [next(t for t in tasks if t.type == kind) for kind in sorted({t.type for t in tasks})]
 
-    def play():
-        seen = []
-        for i, task in enumerate(games):
-            random.seed(i)  # the handcoded expert breaks ties with the global random
-            rng, obs = random.Random(i), env.reset(task)
-            seen.append(obs)
-            admissible = obs.admissible
-            for k in range(8):
-                expert = env.expert_action()
-                step = env.step(expert if expert and k % 3 else rng.choice(admissible))
-                seen.append(step)
-                admissible = step.admissible
-        return seen
-
-    shallow = play()
+    *_, shallow = play(env, games, 8)  # a digest of every observation, command list and reward
     assert textgen.copy_context._qevolve_shallow
     copy_context, textgen.copy_context = textgen.copy_context, textgen.copy_context.deep
     try:
-        assert play() == shallow
+        assert play(env, games, 8)[2] == shallow
     finally:
         textgen.copy_context = copy_context
 
