@@ -52,6 +52,31 @@ def test_free_actor_generates_text(tiny_base):
     assert len(decisions) == 2 and all(0 < d.output_tokens <= 6 and d.logp <= 0 for d in decisions)
 
 
+def test_an_adapter_loaded_for_inference_is_merged_and_acts_the_same(tiny_base, tmp_path):
+    torch.manual_seed(0)
+    model, tok = load_policy(tiny_base, MODEL)
+    with torch.no_grad():  # a trained adapter: every trainable tensor moved (a fresh one's lora_B is zero)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(tmp_path)
+    peft_model, _ = load_policy(tiny_base, MODEL, adapter=tmp_path, trainable=True)
+    merged, _ = load_policy(tiny_base, MODEL, adapter=tmp_path)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    builder = PromptBuilder(tok, 512)
+    prompt = builder.prompt("put some book on sidetable.", ["You arrive at desk 1. On the desk 1, you see a book 1."], [])
+    base, _ = load_policy(tiny_base, MODEL)
+    with torch.no_grad():
+        want, got = peft_model.eval()(input_ids=torch.tensor([prompt])).logits, merged(input_ids=torch.tensor([prompt])).logits
+        assert (want - base.eval()(input_ids=torch.tensor([prompt])).logits).abs().max() > 0.1  # the adapter matters
+    assert torch.allclose(want, got, atol=1e-4)
+    acts = ["go to desk 1", "go to cabinet 1", "take book 1 from desk 1", "look"]
+    for mode in ("admissible", "free"):
+        a, b = (Actor(m, tok, builder, mode, temperature=1.0, max_new_tokens=8).act([prompt], [acts], greedy=True)[0]
+                for m in (peft_model, merged))
+        assert a.output == b.output and abs(a.logp - b.logp) < 1e-4
+
+
 def test_bc_step_lowers_loss_and_changes_only_the_adapter(tiny_base):
     torch.manual_seed(0)
     model, tok = load_policy(tiny_base, MODEL)

@@ -19,6 +19,8 @@ from typing import Protocol
 
 import torch
 
+from qevolve.models.base import causal_lm
+
 
 class RolloutBackend(Protocol):
     def score(self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]) -> list[torch.Tensor]:
@@ -50,8 +52,7 @@ class HFBackend:
     def __init__(self, model, pad_id: int, reuse: bool = True):
         self.model, self.pad_id, self.reuse = model, pad_id, reuse
         # The transformer body and the LM head apart: logits are computed only where they are read.
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.body, self.head = base.base_model, model.get_output_embeddings()
+        self.body, self.head = causal_lm(model).base_model, model.get_output_embeddings()
         self._cache: dict[int, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         self.encoded_tokens = 0
         """Tokens run through the model so far (prompts, candidates and generated tokens)."""

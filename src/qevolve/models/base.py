@@ -118,3 +118,8 @@ def load_base(base_dir: Path | str, dtype: str = "float32"):
     if len(tok) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tok))
     return model, tok
+
+
+def causal_lm(model):
+    """The transformers causal LM itself, whether `model` is wrapped by peft or not."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

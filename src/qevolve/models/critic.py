@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from qevolve.config import ModelConfig
+from qevolve.models.base import causal_lm
 from qevolve.models.policy import load_policy
 
 HEADS_FILE = "heads.safetensors"
@@ -27,7 +28,7 @@ class Critic(nn.Module):
     def __init__(self, lm):
         super().__init__()
         self.lm = lm
-        hidden = lm.get_base_model().config.hidden_size
+        hidden = causal_lm(lm).config.hidden_size
         self.v = nn.Linear(hidden, 1)
         self.q = nn.Linear(hidden, 1)
         for head in (self.v, self.q):
@@ -37,7 +38,7 @@ class Critic(nn.Module):
 
     def forward(self, ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(V, Q, target Q) at every position, each (B, T)."""
-        backbone = self.lm.get_base_model().base_model  # the transformer without its LM head
+        backbone = causal_lm(self.lm).base_model  # the transformer without its LM head
         h = backbone(input_ids=ids, attention_mask=attn).last_hidden_state.float()
         return self.v(h).squeeze(-1), self.q(h).squeeze(-1), self.q_target(h).squeeze(-1)
 

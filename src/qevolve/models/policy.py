@@ -50,13 +50,17 @@ def _embedding_module_names(model) -> list[str]:
 
 
 def load_policy(base_dir: Path | str, cfg: ModelConfig, adapter: Path | str | None = None, trainable: bool = False):
-    """(peft model, tokenizer): a fresh LoRA adapter, or the one saved at `adapter`."""
+    """(model, tokenizer): a peft model with a fresh LoRA adapter, or with the one saved at `adapter`
+    when `trainable`; otherwise that adapter merged into the base weights (peft's `merge_and_unload`),
+    a plain transformers model for inference. Merged, a forward pass skips the LoRA matrices: 1.5x
+    faster for the embedded policy on this CPU, logits equal to within 2e-4 (benchmarks/README.md)."""
     from peft import PeftModel
 
     model, tok = load_base(base_dir, cfg.dtype)
     if adapter is None:
         return lora_model(model, cfg), tok
-    return PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable), tok
+    model = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
+    return (model if trainable else model.merge_and_unload()), tok
 
 
 @dataclass
