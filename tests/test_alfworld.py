@@ -66,6 +66,12 @@ def test_translations_are_kept_on_disk_for_later_processes(alfworld_data, tmp_pa
     fast_downward.pddl2sas.cache.clear()  # as a new process would start
     assert env.reset(task) == first
     assert {f: f.stat().st_ino for f in tmp_path.glob("*.pkl")} == files  # read, not written again
+    [file] = files
+    file.write_bytes(b"written by another fast_downward")  # unreadable: translated again and replaced
+    fast_downward.pddl2sas.cache.clear()
+    with pytest.warns(UserWarning, match=f"{file}: unreadable kept PDDL translation"):
+        assert env.reset(task) == first
+    assert file.stat().st_ino != files[file]
     while (action := env.expert_action()) is not None:
         won = env.step(action).won
     assert won

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
@@ -153,8 +154,9 @@ def _memoize_grounding() -> None:
             folder = sas_cache_dir()
             digest = hashlib.sha256((domain + "\0" + problem).encode()).hexdigest()
             file = folder / f"{digest}.pkl" if folder else None
-            if file is not None and file.exists():
-                cache[key] = pickle.loads(file.read_bytes())
+            kept = _read_translation(file) if file is not None and file.exists() else None
+            if kept is not None:
+                cache[key] = kept
             else:
                 cache[key] = translate(domain, problem, verbose=verbose, optimize=False)
                 if file is not None:
@@ -165,6 +167,22 @@ def _memoize_grounding() -> None:
     pddl2sas._qevolve_cached = True
     pddl2sas.cache = cache  # benchmarks clear it between runs
     fast_downward.pddl2sas = pddl2sas
+
+
+def _read_translation(file: Path) -> tuple | None:
+    """A kept translation, or None (with a warning) when the file cannot be read back, e.g. written by
+    another version of fast_downward or cut short: the caller translates again and replaces it."""
+    import pickle
+
+    try:
+        kept = pickle.loads(file.read_bytes())
+    except Exception as err:  # noqa: BLE001 - unpickling can raise almost anything
+        warnings.warn(f"{file}: unreadable kept PDDL translation ({type(err).__name__}: {err}); translating again", stacklevel=2)
+        return None
+    if not (isinstance(kept, tuple) and len(kept) == 2):
+        warnings.warn(f"{file}: expected a (task, SAS text) pair, found {type(kept).__name__}; translating again", stacklevel=2)
+        return None
+    return kept
 
 
 def _memoize_text_parsing() -> None:
