@@ -1,11 +1,13 @@
 """Rollout throughput: KV-cache reuse + batching across episodes against a naive loop.
 
 The naive loop plays one episode at a time and re-encodes the whole history every turn. The fast path
-keeps every episode's KV cache across turns and batches 1, 4 or 16 concurrent episodes, with the
-environments in this process, and then with each environment in its own worker process (`workers`),
-stepping in parallel. All runs play the same valid_seen games greedily with the trained policy of a
-workspace (run `make quickstart` first; its adapter merged into the weights, as every inference stage
-loads it) and read ALFWorld's kept game translations from a disk cache filled before timing, as every
+keeps every episode's KV cache across turns and batches 1, 4 or 16 concurrent episodes with the
+environments in this process; then 16 with each environment in its own worker process (`workers`),
+stepping in parallel; 16 with the LoRA adapter left unmerged (`unmerged`); and in `admissible` mode 16
+with every episode's candidates scored in one padded pass (`one pass`; a CPU scores one episode per pass
+by default, see `HFBackend`). All runs play the same valid_seen games greedily with the trained policy of
+a workspace (run `make quickstart` first), its adapter merged into the weights as every inference stage
+loads it, and read ALFWorld's kept game translations from a disk cache filled before timing, as every
 stage after the first does. The benchmark fails if any run takes a different action than the naive loop.
 
     python -m benchmarks.rollout [--workspace .] [--episodes 16] [--max-steps 10] [--mode admissible free]
@@ -41,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ws = args.workspace
     params = workspace_params(ws)
     model, tok = load_policy(ws / "models/base", params.model, adapter=ws / "models/bc")
+    unmerged, _ = load_policy(ws / "models/base", params.model, adapter=ws / "models/bc", trainable=True)
     builder = make_builder(params, tok, ws / "models/bc")
     env = make_env(params.env)
     tasks = select_tasks(env, "valid_seen", params.env, args.episodes, 0)
@@ -54,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for mode in args.mode:
-        runs = [("naive", False, 1)] + [("reuse", True, c) for c in args.concurrency] + [("workers", True, max(args.concurrency))]
+        most = max(args.concurrency)
+        runs = [("naive", False, 1)] + [("reuse", True, c) for c in args.concurrency] + [("workers", True, most), ("unmerged", True, most)]
+        if mode == "admissible":
+            runs.append(("one pass", True, most))
         reference = None
         for name, reuse, concurrency in runs:
             workers = name == "workers"  # environments in worker processes, stepping in parallel
@@ -62,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
 
             getattr(fast_downward.pddl2sas, "cache", {}).clear()  # no run starts with another's games in memory
             torch.manual_seed(0)
-            actor = Actor(model, tok, builder, mode, 1.0, params.policy.max_new_tokens, reuse_cache=reuse)
+            policy = unmerged if name == "unmerged" else model
+            actor = Actor(policy, tok, builder, mode, 1.0, params.policy.max_new_tokens, reuse_cache=reuse)
+            if name == "one pass":  # all episodes' candidates scored in one padded pass, not one episode per pass
+                actor.backend.score_rows = concurrency
             model_s = 0.0
             act = actor.act
 
@@ -92,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             })
 
     print(f"\n{args.episodes} valid_seen games, {args.max_steps} steps max, greedy, model {ws / 'models/bc'}\n")
-    print(f"{'mode':<11}{'run':<7}{'concurrent':>10}{'env steps/s':>13}{'speed-up':>10}{'model ms/step':>15}{'speed-up':>10}"
+    print(f"{'mode':<11}{'run':<9}{'concurrent':>10}{'env steps/s':>13}{'speed-up':>10}{'model ms/step':>15}{'speed-up':>10}"
           f"{'gen tok/s':>11}{'encoded tok':>13}{'same actions':>14}")
     base = {}
     for r in rows:
@@ -100,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             base[r["mode"]] = r
         b = base[r["mode"]]
         gen = f"{r['tok_per_s']:.1f}" if r["mode"] == "free" else "-"
-        print(f"{r['mode']:<11}{r['run']:<7}{r['episodes']:>10}{r['steps_per_s']:>13.2f}{r['steps_per_s'] / b['steps_per_s']:>9.1f}x"
+        print(f"{r['mode']:<11}{r['run']:<9}{r['episodes']:>10}{r['steps_per_s']:>13.2f}{r['steps_per_s'] / b['steps_per_s']:>9.1f}x"
               f"{r['model_ms']:>15.0f}{b['model_ms'] / r['model_ms']:>9.1f}x{gen:>11}{r['encoded']:>13}{str(r['same']):>14}")
     print("\nenv steps/s: steps over the wall time of the whole rollout (ALFWorld resets and steps included); model ms/step:"
           " policy time per env step; gen tok/s: generated tokens per second of policy time (free mode); encoded tok:"

@@ -4,7 +4,8 @@ Four ways to batch the same optimiser steps over the workspace's expert windows,
 initial adapter: `max-length` pads every window to `model.context_tokens` (a fixed-shape trainer);
 `padded` pads each micro-batch, in shuffled order, to its longest window; `bucketed` sorts each
 optimiser batch by length first (what `train` does for every trainer); `packed` also packs each
-micro-batch into rows of `model.context_tokens` tokens (`bc.pack`). Tokens/s counts real tokens only.
+micro-batch into rows of `model.context_tokens` tokens (`bc.pack`); `unpadded` runs one window per
+forward pass (micro-batches of 1, `bc.micro_batch_size: 1`), so nothing is padded. Tokens/s counts real tokens only.
 The benchmark fails if the first step's loss differs between them.
 
     python -m benchmarks.train [--workspace .] [--steps 30] [--batch-size 8] [--micro-batch-size 4]
@@ -47,13 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     order = [rng.randrange(len(examples)) for _ in range(args.steps * args.batch_size)]
     plans = {}
     width = params.model.context_tokens
-    for name in ("max-length", "padded", "bucketed", "packed"):
+    for name in ("max-length", "padded", "bucketed", "packed", "unpadded"):
         steps = []
+        micro = 1 if name == "unpadded" else args.micro_batch_size
         for i in range(args.steps):
             batch = [examples[j] for j in order[i * args.batch_size : (i + 1) * args.batch_size]]
             if name in ("bucketed", "packed"):
                 batch.sort(key=lambda e: len(e[0]))
-            steps.append([batch[k : k + args.micro_batch_size] for k in range(0, len(batch), args.micro_batch_size)])
+            steps.append([batch[k : k + micro] for k in range(0, len(batch), micro)])
         plans[name] = steps
 
     results = {}

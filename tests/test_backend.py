@@ -31,13 +31,16 @@ def test_cached_scores_and_generation_equal_full_reencoding(tiny_base):
     model, tok = load_policy(tiny_base, MODEL)
     builder = PromptBuilder(tok, 120)
     cands = [builder.action_ids(a) for a in ACTS]
-    cached, full = HFBackend(model.eval(), tok.pad_token_id, reuse=True), HFBackend(model, tok.pad_token_id, reuse=False)
+    cached, full = HFBackend(model.eval(), tok.pad_token_id, reuse=True, score_rows=3), HFBackend(model, tok.pad_token_id, reuse=False)
+    one_by_one = HFBackend(model, tok.pad_token_id, reuse=True, score_rows=1)  # each episode's candidates in a pass of its own
     stop = lambda toks: len(toks) >= 5
     for prompts in _conversations(builder):
-        got = cached.score([0, 1, 2], prompts, [cands, cands[:2], cands[1:]])
         want = full.score([0, 1, 2], prompts, [cands, cands[:2], cands[1:]])
-        for g, w in zip(got, want):
-            assert torch.allclose(g, w, atol=1e-4)
+        for backend in (cached, one_by_one):
+            got = backend.score([0, 1, 2], prompts, [cands, cands[:2], cands[1:]])
+            assert [len(g) for g in got] == [4, 2, 3]
+            for g, w in zip(got, want):
+                assert torch.allclose(g, w, atol=1e-4)
         kw = dict(max_new_tokens=6, stop=stop, greedy=True, temperature=1.0)
         assert [t for t, _ in cached.generate([0, 1, 2], prompts, **kw)] == [t for t, _ in full.generate([0, 1, 2], prompts, **kw)]
     # the budget is small enough that the history is truncated (a cache miss after the shared head)

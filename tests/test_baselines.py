@@ -81,12 +81,12 @@ def test_grpo_and_rerank_stages_run_and_update(tmp_path, monkeypatch):
     metrics = {f"{stage}@{k}": run_stage(stage, qevolve, k) for stage, k in pipeline(1, iteration_stages(qevolve))}
     for split, m in metrics["rerank@1"].items():  # collect@1's env steps trained critic@1
         assert m["episodes"] == 2 and m["cumulative_env_steps"] == metrics["evaluate@1"][split]["cumulative_env_steps"]
-    bc = {n: t.clone() for n, t in load_policy(paths.BASE, qevolve.model, adapter=paths.BC)[0].state_dict().items()}
+    bc = {n: t.clone() for n, t in load_policy(paths.BASE, qevolve.model, adapter=paths.BC, trainable=True)[0].state_dict().items()}
     online = run_stage("online", grpo, 1)
     assert online["env_steps"] >= 30 and online["rounds"] >= 2  # at most 6 x 4 steps a round
     curve = json.loads(paths.curve("online@1").read_text())
     assert len(curve) == online["rounds"] and any(r["updated_windows"] for r in curve), curve
-    updated = load_policy(paths.BASE, grpo.model, adapter=paths.policy(1))[0].state_dict()
+    updated = load_policy(paths.BASE, grpo.model, adapter=paths.policy(1), trainable=True)[0].state_dict()
     assert any(not torch.equal(updated[n], bc[n]) for n in bc if "lora" in n), "GRPO left the adapter unchanged"
     assert not (tmp_path / "models" / ".policy@1.checkpoint").exists()
 
@@ -107,7 +107,7 @@ def test_grpo_and_rerank_stages_run_and_update(tmp_path, monkeypatch):
     assert (tmp_path / "models" / ".policy@1.checkpoint").exists()
     monkeypatch.setattr(online_module, "play_in", real)
     assert run_stage("online", grpo, 1)["rounds"] == online["rounds"]
-    resumed = load_policy(paths.BASE, grpo.model, adapter=paths.policy(1))[0].state_dict()
+    resumed = load_policy(paths.BASE, grpo.model, adapter=paths.policy(1), trainable=True)[0].state_dict()
     assert all(torch.equal(resumed[n], updated[n]) for n in updated)
 
 

@@ -49,8 +49,14 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 class HFBackend:
     """A Hugging Face causal LM (peft-wrapped or not) run in this process; see the module docstring."""
 
-    def __init__(self, model, pad_id: int, reuse: bool = True):
+    def __init__(self, model, pad_id: int, reuse: bool = True, score_rows: int | None = None):
         self.model, self.pad_id, self.reuse = model, pad_id, reuse
+        # Episodes whose candidates `score` runs through one pass. Each episode's row holds its prompt
+        # suffix and all its 10-40 candidates, and rows of different widths and cache lengths pad each
+        # other: on a CPU one episode per pass is faster (benchmarks/README.md, `rollout`); an
+        # accelerator wants the whole batch.
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        self.score_rows = score_rows if score_rows is not None else (1 if on_cpu else None)
         # The transformer body and the LM head apart: logits are computed only where they are read.
         self.body, self.head = causal_lm(model).base_model, model.get_output_embeddings()
         self._cache: dict[int, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
@@ -136,8 +142,12 @@ class HFBackend:
                 self._cache[slot] = (list(p), kv)
         return out.last_hidden_state, layout, cache, valid
 
-    @torch.no_grad()
     def score(self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]) -> list[torch.Tensor]:
+        rows = self.score_rows or len(prompts)
+        return [row for i in range(0, len(prompts), rows) for row in self._score(slots[i : i + rows], prompts[i : i + rows], candidates[i : i + rows])]
+
+    @torch.no_grad()
+    def _score(self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]) -> list[torch.Tensor]:
         hidden, layout, _, _ = self._forward(slots, prompts, candidates)
         rows, at, targets, owner = [], [], [], []  # owner: (row, candidate) of each scored token
         for b, ((s, starts), cands) in enumerate(zip(layout, candidates)):

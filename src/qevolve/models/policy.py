@@ -52,8 +52,9 @@ def _embedding_module_names(model) -> list[str]:
 def load_policy(base_dir: Path | str, cfg: ModelConfig, adapter: Path | str | None = None, trainable: bool = False):
     """(model, tokenizer): a peft model with a fresh LoRA adapter, or with the one saved at `adapter`
     when `trainable`; otherwise that adapter merged into the base weights (peft's `merge_and_unload`),
-    a plain transformers model for inference. Merged, a forward pass skips the LoRA matrices: 1.5x
-    faster for the embedded policy on this CPU, logits equal to within 2e-4 (benchmarks/README.md)."""
+    a plain transformers model for inference. Merged, a forward pass skips the LoRA matrices: the embedded
+    policy takes 1.4x less time per rollout step on a CPU (benchmarks/README.md, `rollout`), and its
+    logits change by float rounding only."""
     from peft import PeftModel
 
     model, tok = load_base(base_dir, cfg.dtype)
