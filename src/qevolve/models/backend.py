@@ -143,8 +143,11 @@ class HFBackend:
         return out.last_hidden_state, layout, cache, valid
 
     def score(self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]) -> list[torch.Tensor]:
-        rows = self.score_rows or len(prompts)
-        return [row for i in range(0, len(prompts), rows) for row in self._score(slots[i : i + rows], prompts[i : i + rows], candidates[i : i + rows])]
+        n = self.score_rows or len(prompts)
+        out: list[torch.Tensor] = []
+        for i in range(0, len(prompts), n):
+            out += self._score(slots[i : i + n], prompts[i : i + n], candidates[i : i + n])
+        return out
 
     @torch.no_grad()
     def _score(self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]) -> list[torch.Tensor]:
