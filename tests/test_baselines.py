@@ -15,7 +15,7 @@ from qevolve.models.critic import Critic
 from qevolve.models.policy import BestOfN, load_policy
 from qevolve.models.prompt import PromptBuilder, format_action
 from qevolve.stages import iteration_stages, pipeline, run_stage
-from qevolve.stages.online import group_advantages
+from qevolve.stages.online import another_round, group_advantages
 from qevolve.stages.training import pad_ids
 from tests.test_env_pipelines import _tiny
 
@@ -36,6 +36,15 @@ def test_group_advantages_match_hand_computed_values():
     assert adv[("a2", 1)] == adv[("a4", 2)] == pytest.approx(-0.25 / 0.4330127, rel=1e-5)
     assert adv[("b1", 0)] == adv[("b2", 1)] == 0.0
     assert len(adv) == 2 + 2 + 1 + 3 + 1 + 2
+
+
+def test_grpo_stops_at_the_round_boundary_nearest_its_budget():
+    # The table's seed-0 GRPO rounds: 299, 587, 884, 1181 env steps against a budget of 1189.
+    assert another_round(0, 1189, 0)
+    assert another_round(884, 1189, 3)  # 305 left, half a round is 147.3
+    assert not another_round(1181, 1189, 4)  # 8 left: stopping is 8 short, a fifth round ~287 over
+    assert another_round(1000, 1189, 4) and not another_round(1100, 1189, 4)  # 189 > 125, 89 < 137.5
+    assert not another_round(1200, 1189, 4)
 
 
 def test_best_of_n_takes_the_action_the_critic_values_most(tiny_base):
@@ -70,7 +79,7 @@ def test_grpo_and_rerank_stages_run_and_update(tmp_path, monkeypatch):
     """WebShop (fast, continuous rewards): `online@1` changes the policy and spends its env-step budget;
     `rerank@1` plays the evaluation episodes with the BC policy and critic@1."""
     raw = _tiny("webshop", tmp_path)
-    raw["online"] = {"env_steps": 30, "tasks_per_round": 2, "group_size": 3, "batch_size": 4}
+    raw["online"] = {"env_steps": 40, "tasks_per_round": 2, "group_size": 3, "batch_size": 4}
     raw["rerank"] = {"best_of": 3}
     qevolve = parse_params(raw)
     # Near-uniform sampling, so the episodes of a group differ (some buy something) and GRPO has a signal.
@@ -83,7 +92,9 @@ def test_grpo_and_rerank_stages_run_and_update(tmp_path, monkeypatch):
         assert m["episodes"] == 2 and m["cumulative_env_steps"] == metrics["evaluate@1"][split]["cumulative_env_steps"]
     bc = {n: t.clone() for n, t in load_policy(paths.BASE, qevolve.model, adapter=paths.BC, trainable=True)[0].state_dict().items()}
     online = run_stage("online", grpo, 1)
-    assert online["env_steps"] >= 30 and online["rounds"] >= 2  # at most 6 x 4 steps a round
+    # At most 6 x 4 = 24 steps a round, so a first round leaves more than half a round of 40 to spend.
+    spent, rounds = online["env_steps"], online["rounds"]
+    assert rounds >= 2 and spent - 40 < 24 and 40 - spent <= spent / rounds / 2
     curve = json.loads(paths.curve("online@1").read_text())
     assert len(curve) == online["rounds"] and any(r["updated_windows"] for r in curve), curve
     updated = load_policy(paths.BASE, grpo.model, adapter=paths.policy(1), trainable=True)[0].state_dict()

@@ -266,7 +266,7 @@ class OnlineConfig(TrainConfig):
     follows each round."""
 
     env_steps: int = Field(1000, gt=0)
-    """Environment steps per iteration (the benchmark sets it to Q-Evolve's own)."""
+    """Environment steps per iteration (the benchmark sets it to Q-Evolve's own), to the nearest round."""
     tasks_per_round: int = Field(4, gt=0)
     group_size: int = Field(4, ge=2)
     epochs: int = Field(1, gt=0)

@@ -2,8 +2,9 @@
 
 Rounds of: draw `tasks_per_round` train tasks, play each `group_size` times with the current policy
 (sampling), give every action of an episode its group-normalised return, and make one clipped-surrogate
-update (the same loss as `policy@k`, against the round's own behaviour policy). The iteration stops at the
-end of the round that reaches `online.env_steps`. After each round the adapter and the counters are
+update (the same loss as `policy@k`, against the round's own behaviour policy). A round's env steps vary
+with its episodes' lengths, so the iteration stops at the round boundary nearest `online.env_steps`
+(`another_round`), not past it by up to a round. After each round the adapter and the counters are
 checkpointed beside the output, so a killed stage resumes at the round it was in.
 """
 
@@ -43,6 +44,12 @@ def group_advantages(trajs: list[Trajectory]) -> dict[tuple[str, int], float]:
     return out
 
 
+def another_round(spent: int, budget: int, rounds: int) -> bool:
+    """Whether one more round brings the env steps spent nearer the budget: yes while more than half
+    a round (the mean of the rounds so far) of the budget is left."""
+    return budget - spent > (spent / rounds / 2 if rounds else 0)
+
+
 def online(params: Params, base_dir: Path, previous_dir: Path, out: Path, metrics_path: Path, curve_path: Path, iteration: int, previous_metrics: Path) -> dict:
     cfg, env_cfg = params.online, params.env
     model, tok = load_policy(base_dir, params.model, adapter=previous_dir, trainable=True)
@@ -56,7 +63,7 @@ def online(params: Params, base_dir: Path, previous_dir: Path, out: Path, metric
         state = saved
     names = changing_tensors(model)
     start = time.perf_counter()
-    while state["env_steps"] < cfg.env_steps:
+    while another_round(state["env_steps"], cfg.env_steps, state["round"]):
         r = state["round"]
         seed = cfg.seed + 1000 * iteration + r
         tasks = select_tasks(lister, "train", env_cfg, cfg.tasks_per_round, seed)
