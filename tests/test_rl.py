@@ -89,8 +89,16 @@ def test_awr_loss():
 def test_kl_to_reference():
     lp = torch.tensor([-1.0, -2.0])
     assert close(kl_to_reference(lp, lp), 0.0)
-    # d = ln 2: e^d - 1 - d = 1 - ln 2.
-    assert close(kl_to_reference(torch.tensor([-math.log(2)]), torch.tensor([0.0])), 1 - math.log(2))
+    # new = 1/2, ref = 1: r = 1/2, r - 1 - ln r = ln 2 - 1/2.
+    assert close(kl_to_reference(torch.tensor([-math.log(2)]), torch.tensor([0.0])), math.log(2) - 0.5)
+
+
+def test_kl_to_reference_is_unbiased_on_the_reference_tokens():
+    # Two tokens, ref = (0.9, 0.1), new = (0.5, 0.5); 9 copies of the first and 1 of the second are the
+    # reference's distribution exactly. KL(ref || new) = 0.9 ln 1.8 + 0.1 ln 0.2 = 0.529008 - 0.160944.
+    ref = torch.tensor([math.log(0.9)] * 9 + [math.log(0.1)])
+    new = torch.tensor([math.log(0.5)] * 10)
+    assert close(kl_to_reference(new, ref), 0.368064, tol=1e-5)
 
 
 def test_relabel_rules_first_match_wins():

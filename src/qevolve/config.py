@@ -169,7 +169,7 @@ class PolicyConfig(TrainConfig):
     clip_high: float = Field(0.1, gt=0)
     """epsilon_high: the ratio may rise to 1 + clip_high."""
     kl_coef: float = Field(0.05, ge=0)
-    """Weight of the KL penalty to the previous policy."""
+    """Weight of the KL penalty, KL(previous || new) per token (`qevolve.algos.rl.kl_to_reference`)."""
     awr_beta: float = Field(1.0, gt=0)
     awr_max_weight: float = Field(20.0, gt=0)
 

@@ -81,7 +81,13 @@ def awr_loss(logp_new: torch.Tensor, advantages: torch.Tensor, beta: float, max_
 
 
 def kl_to_reference(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
-    """Mean of the non-negative estimator exp(d) - 1 - d of KL(new || ref), d = logp_ref - logp_new,
-    over tokens sampled from the data (Schulman's k3)."""
-    d = logp_ref - logp_new
+    """KL(ref || new) estimated on tokens the reference sampled: the mean of Schulman's non-negative,
+    unbiased k3 = r - 1 - log r, r = new/ref = exp(logp_new - logp_ref).
+
+    The policy's own rollouts were sampled by the reference (the previous policy, or GRPO's round
+    policy), so it is their sampling distribution; on expert steps this is a penalty of the same form,
+    not an estimate. (The other form, ref/new - 1 - log(ref/new), is k3 only for tokens the new policy
+    sampled; on the reference's tokens it estimates chi^2(ref || new) - KL(ref || new), which explodes on
+    any token an update pushed far down.)"""
+    d = logp_new - logp_ref
     return (torch.exp(d) - 1.0 - d).mean()
