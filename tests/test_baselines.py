@@ -2,6 +2,7 @@
 the table spec."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -75,7 +76,7 @@ def test_best_of_n_takes_the_action_the_critic_values_most(tiny_base):
     assert len(draws) > 1
 
 
-def test_grpo_and_rerank_stages_run_and_update(tmp_path, monkeypatch):
+def test_grpo_and_rerank_stages_run_and_update(tmp_path, monkeypatch, caplog):
     """WebShop (fast, continuous rewards): `online@1` changes the policy and spends its env-step budget;
     `rerank@1` plays the evaluation episodes with the BC policy and critic@1."""
     raw = _tiny("webshop", tmp_path)
@@ -120,6 +121,19 @@ def test_grpo_and_rerank_stages_run_and_update(tmp_path, monkeypatch):
     assert run_stage("online", grpo, 1)["rounds"] == online["rounds"]
     resumed = load_policy(paths.BASE, grpo.model, adapter=paths.policy(1), trainable=True)[0].state_dict()
     assert all(torch.equal(resumed[n], updated[n]) for n in updated)
+
+    # A checkpoint written under other settings is not resumed: the stage starts again from round 1.
+    calls.clear()
+    monkeypatch.setattr(online_module, "play_in", dies_in_round_two)
+    with pytest.raises(KeyboardInterrupt):
+        run_stage("online", grpo, 1)
+    counted = []
+    monkeypatch.setattr(online_module, "play_in", lambda *a, **k: counted.append(1) or real(*a, **k))
+    other = parse_params({**raw, "rerank": {}, "policy": {**raw["policy"], "temperature": 50.0}, "evolve": {"iterations": 1, "method": "grpo"},
+                          "online": {**raw["online"], "seed": 7}})
+    with caplog.at_level(logging.WARNING, logger="qevolve.stages.online"):
+        assert run_stage("online", other, 1)["rounds"] == len(counted)
+    assert "ignoring checkpoint" in caplog.text
 
 
 def test_table_spec_errors_name_the_field(tmp_path):

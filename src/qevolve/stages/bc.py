@@ -14,7 +14,7 @@ from qevolve.data.store import Trajectory, read_store
 from qevolve.envs import check_tasks, make_env
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import INSTRUCTION, INTRODUCTIONS, PromptBuilder, format_action
-from qevolve.stages.training import checkpoint_path, last_epoch_mean, packed_rows, pad_ids, train
+from qevolve.stages.training import checkpoint_path, input_digest, last_epoch_mean, packed_rows, pad_ids, train
 
 PROMPT_FILE = "prompt.json"  # saved beside the adapter so acting uses the prompt BC trained with
 
@@ -78,7 +78,7 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
     pack_tokens = params.model.context_tokens if cfg.pack else 0
     start = time.perf_counter()
     curve = train(model, examples, cfg, lambda e: len(e[0]), lambda micro: bc_step(model, micro, tok.pad_token_id, pack_tokens), "bc",
-                  checkpoint=checkpoint_path(out))
+                  checkpoint=checkpoint_path(out), inputs=input_digest(experts_dir))
     elapsed = time.perf_counter() - start
     tokens = cfg.epochs * sum(len(ids) for ids, _ in examples)
     with atomic_dir(out) as tmp:

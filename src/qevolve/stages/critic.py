@@ -20,7 +20,7 @@ from qevolve.models.critic import Critic, load_critic
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PromptBuilder, Window
 from qevolve.stages.bc import PROMPT_FILE, make_builder
-from qevolve.stages.training import checkpoint_path, last_epoch_mean, pad_ids, train
+from qevolve.stages.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train
 
 
 @dataclass
@@ -132,6 +132,7 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, out
         model, items, cfg, lambda it: len(it.window.ids),
         lambda micro: critic_step(model, micro, cfg.gamma, cfg.expectile, tok.pad_token_id),
         "critic", after_step=lambda: model.update_target(cfg.target_rate), checkpoint=checkpoint_path(out),
+        inputs=input_digest(policy_dir, data_dir),
     )
     elapsed = time.perf_counter() - start
     values = critic_values(model, items, tok.pad_token_id, cfg.micro_batch_size)

@@ -5,12 +5,15 @@ Rounds of: draw `tasks_per_round` train tasks, play each `group_size` times with
 update (the same loss as `policy@k`, against the round's own behaviour policy). A round's env steps vary
 with its episodes' lengths, so the iteration stops at the round boundary nearest `online.env_steps`
 (`another_round`), not past it by up to a round. After each round the adapter and the counters are
-checkpointed beside the output, so a killed stage resumes at the round it was in.
+checkpointed beside the output, so a killed stage resumes at the round it was in (not when its settings
+or previous policy have changed since).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -26,7 +29,9 @@ from qevolve.models.policy import Actor, load_policy
 from qevolve.stages.bc import PROMPT_FILE, make_builder
 from qevolve.stages.policy import policy_items, policy_step, reference_pass
 from qevolve.stages.rollout import play_in
-from qevolve.stages.training import changing_tensors, checkpoint_path, train
+from qevolve.stages.training import changing_tensors, checkpoint_path, input_digest, train
+
+log = logging.getLogger(__name__)
 
 
 def group_advantages(trajs: list[Trajectory]) -> dict[tuple[str, int], float]:
@@ -56,11 +61,17 @@ def online(params: Params, base_dir: Path, previous_dir: Path, out: Path, metric
     builder = make_builder(params, tok, previous_dir)
     lister = make_env(env_cfg)
     ckpt = checkpoint_path(out)
-    state = {"round": 0, "env_steps": 0, "tokens": 0, "generated_tokens": 0, "episodes": 0, "won": 0, "curve": []}
+    setting = json.dumps([iteration, params.model_dump(include={"env", "model", "policy", "online"}), input_digest(previous_dir)], sort_keys=True, default=str)
+    fingerprint = hashlib.sha256(setting.encode()).hexdigest()
+    state = {"round": 0, "env_steps": 0, "tokens": 0, "generated_tokens": 0, "episodes": 0, "won": 0, "curve": [], "fingerprint": fingerprint}
     if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
-        model.load_state_dict(saved.pop("model"), strict=False)
-        state = saved
+        if saved.get("fingerprint") == fingerprint:
+            model.load_state_dict(saved.pop("model"), strict=False)
+            state = saved
+            log.warning("online@%d: resuming from the checkpoint after round %d (%s)", iteration, state["round"], ckpt)
+        else:
+            log.warning("online@%d: ignoring checkpoint %s, written for other settings or another previous policy", iteration, ckpt)
     names = changing_tensors(model)
     start = time.perf_counter()
     while another_round(state["env_steps"], cfg.env_steps, state["round"]):

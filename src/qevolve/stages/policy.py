@@ -24,7 +24,7 @@ from qevolve.models.policy import load_policy
 from qevolve.models.prompt import Window
 from qevolve.stages.advantage import read_advantages
 from qevolve.stages.bc import PROMPT_FILE, make_builder
-from qevolve.stages.training import checkpoint_path, last_epoch_mean, pad_ids, train
+from qevolve.stages.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train
 
 
 @dataclass
@@ -122,7 +122,7 @@ def policy(
         del bc_model
     start = time.perf_counter()
     curve = train(model, items, cfg, lambda it: len(it.window.ids), lambda micro: policy_step(model, micro, params, tok.pad_token_id), "policy",
-                  checkpoint=checkpoint_path(out))
+                  checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, bc_dir, data_dir, advantage_dir))
     elapsed = time.perf_counter() - start
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)

@@ -86,6 +86,7 @@ def train(
     desc: str,
     after_step: Callable[[], None] | None = None,
     checkpoint: Path | None = None,
+    inputs: str = "",
 ) -> list[dict]:
     """AdamW with linear warm-up and decay over `cfg.epochs` epochs; `step(micro_batches)` runs the
     forward and backward passes of one optimiser step and returns its metrics (with `loss`); `after_step`
@@ -94,8 +95,8 @@ def train(
     With `checkpoint` (a file path), the whole training state (the model's changing tensors, optimiser,
     schedule, RNGs, position in the epoch and the curve so far) is saved there atomically every
     `cfg.checkpoint_every` steps and at the end, and a run that finds a checkpoint of the same training
-    (same config and data) resumes from it instead of starting over; the result is the same as an
-    uninterrupted run's. The caller deletes the checkpoint once its artifact is written.
+    (same config, data lengths and `inputs`, the stage's `input_digest`) resumes from it instead of
+    starting over; the result is the same as an uninterrupted run's. The caller deletes the checkpoint once its artifact is written.
     Returns the curve: one dict of metrics per optimiser step."""
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -107,7 +108,7 @@ def train(
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min((s + 1) / warmup, max(0.0, (total - s) / max(1, total - warmup)))
     )
-    fingerprint = _fingerprint(desc, cfg, [length(it) for it in items])
+    fingerprint = _fingerprint(desc, cfg, [length(it) for it in items], inputs)
     saved = changing_tensors(model)
     curve: list[dict] = []
     epoch, skip, epoch_rng = 0, 0, rng.getstate()
@@ -170,9 +171,27 @@ def changing_tensors(model: torch.nn.Module) -> set[str]:
     return names | set(getattr(model, "checkpoint_extra", ()))
 
 
-def _fingerprint(desc: str, cfg: TrainConfig, lengths: list[int]) -> str:
-    blob = json.dumps([desc, cfg.model_dump(exclude={"checkpoint_every"}), lengths], sort_keys=True, default=str)
+def _fingerprint(desc: str, cfg: TrainConfig, lengths: list[int], inputs: str) -> str:
+    blob = json.dumps([desc, cfg.model_dump(exclude={"checkpoint_every"}), lengths, inputs], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def input_digest(*paths: Path) -> str:
+    """sha256 over the files under `paths` (names and contents): what an in-stage checkpoint records of
+    the stage's input artifacts, so that one written from other inputs (a changed advantage, a retrained
+    previous policy, the same data shapes) is not resumed. The base model is left out: it can be many GB,
+    and `model.*` fixes it."""
+    h = hashlib.sha256()
+    for root in map(Path, paths):
+        if not root.exists():
+            raise FileNotFoundError(f"{root}: an input of this stage is missing")
+        for f in sorted(root.rglob("*")) if root.is_dir() else [root]:
+            if f.is_file():
+                h.update(f"{f.relative_to(root) if root.is_dir() else f.name}\0".encode())
+                with open(f, "rb") as fh:
+                    for block in iter(lambda: fh.read(1 << 20), b""):
+                        h.update(block)
+    return h.hexdigest()
 
 
 def last_epoch_mean(curve: list[dict], key: str) -> float:
