@@ -11,7 +11,6 @@ or previous policy have changed since).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -29,7 +28,7 @@ from qevolve.models.policy import Actor, load_policy
 from qevolve.stages.bc import PROMPT_FILE, make_builder
 from qevolve.stages.policy import policy_items, policy_step, reference_pass
 from qevolve.stages.rollout import play_in
-from qevolve.stages.training import changing_tensors, checkpoint_path, input_digest, train
+from qevolve.stages.training import changing_tensors, checkpoint_path, fingerprint, input_digest, train
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +60,11 @@ def online(params: Params, base_dir: Path, previous_dir: Path, out: Path, metric
     builder = make_builder(params, tok, previous_dir)
     lister = make_env(env_cfg)
     ckpt = checkpoint_path(out)
-    setting = json.dumps([iteration, params.model_dump(include={"env", "model", "policy", "online"}), input_digest(previous_dir)], sort_keys=True, default=str)
-    fingerprint = hashlib.sha256(setting.encode()).hexdigest()
-    state = {"round": 0, "env_steps": 0, "tokens": 0, "generated_tokens": 0, "episodes": 0, "won": 0, "curve": [], "fingerprint": fingerprint}
+    key = fingerprint(iteration, params.model_dump(include={"env", "model", "policy", "online"}), input_digest(previous_dir))
+    state = {"round": 0, "env_steps": 0, "tokens": 0, "generated_tokens": 0, "episodes": 0, "won": 0, "curve": [], "fingerprint": key}
     if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
-        if saved.get("fingerprint") == fingerprint:
+        if saved.get("fingerprint") == key:
             model.load_state_dict(saved.pop("model"), strict=False)
             state = saved
             log.warning("online@%d: resuming from the checkpoint after round %d (%s)", iteration, state["round"], ckpt)

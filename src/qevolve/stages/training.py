@@ -96,7 +96,8 @@ def train(
     schedule, RNGs, position in the epoch and the curve so far) is saved there atomically every
     `cfg.checkpoint_every` steps and at the end, and a run that finds a checkpoint of the same training
     (same config, data lengths and `inputs`, the stage's `input_digest`) resumes from it instead of
-    starting over; the result is the same as an uninterrupted run's. The caller deletes the checkpoint once its artifact is written.
+    starting over; the result is the same as an uninterrupted run's. The caller deletes the checkpoint
+    once its artifact is written.
     Returns the curve: one dict of metrics per optimiser step."""
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -108,13 +109,13 @@ def train(
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min((s + 1) / warmup, max(0.0, (total - s) / max(1, total - warmup)))
     )
-    fingerprint = _fingerprint(desc, cfg, [length(it) for it in items], inputs)
+    key = fingerprint(desc, cfg.model_dump(exclude={"checkpoint_every"}), [length(it) for it in items], inputs)
     saved = changing_tensors(model)
     curve: list[dict] = []
     epoch, skip, epoch_rng = 0, 0, rng.getstate()
     if checkpoint is not None and checkpoint.exists():
         state = torch.load(checkpoint, weights_only=False)
-        if state["fingerprint"] == fingerprint:
+        if state["fingerprint"] == key:
             model.load_state_dict(state["model"], strict=False)
             optimizer.load_state_dict(state["optimizer"])
             schedule.load_state_dict(state["schedule"])
@@ -126,7 +127,7 @@ def train(
 
     def save(epoch: int, batch: int, epoch_rng) -> None:
         state = {
-            "fingerprint": fingerprint, "model": {n: t.detach().clone() for n, t in model.state_dict().items() if n in saved},
+            "fingerprint": key, "model": {n: t.detach().clone() for n, t in model.state_dict().items() if n in saved},
             "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "torch_rng": torch.get_rng_state(),
             "epoch": epoch, "batch": batch, "epoch_rng": epoch_rng, "curve": curve,
         }
@@ -171,9 +172,9 @@ def changing_tensors(model: torch.nn.Module) -> set[str]:
     return names | set(getattr(model, "checkpoint_extra", ()))
 
 
-def _fingerprint(desc: str, cfg: TrainConfig, lengths: list[int], inputs: str) -> str:
-    blob = json.dumps([desc, cfg.model_dump(exclude={"checkpoint_every"}), lengths, inputs], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
+def fingerprint(*parts) -> str:
+    """sha256 of the JSON of `parts`: what a checkpoint records of the run that wrote it."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def input_digest(*paths: Path) -> str:
