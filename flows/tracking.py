@@ -13,13 +13,15 @@ from pathlib import Path
 import mlflow
 
 from qevolve import paths
-from qevolve.config import Params
+from qevolve.config import Params, lineage_dump
 from qevolve.data.atomic import write_json
 from qevolve.lock import STATE_DIR
 from qevolve.data.store import read_store
 from qevolve.stages.advantage import read_advantages
 
 SAMPLE_TRAJECTORIES = 4
+PLACEMENT = ("device", "dtype", "processes")
+"""Metrics keys that say where a stage computed (`qevolve.models.device.placement`): tags, not metrics."""
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -44,7 +46,7 @@ def start_evolution(params: Params, run_name: str):
     Runs left RUNNING under a resumed parent belong to an attempt that was killed (the workspace lock
     guarantees no other attempt is alive): they are marked KILLED, and the parent counts its attempts."""
     mlflow.set_experiment(params.mlflow.experiment)
-    fingerprint = hashlib.sha256(json.dumps(params.model_dump(), sort_keys=True, default=str).encode()).hexdigest()
+    fingerprint = hashlib.sha256(json.dumps(lineage_dump(params), sort_keys=True, default=str).encode()).hexdigest()
     previous = json.loads(EVOLUTION_FILE.read_text()) if EVOLUTION_FILE.exists() else {}
     client = mlflow.MlflowClient()
     run_id = previous.get("run_id") if previous.get("fingerprint") == fingerprint else None
@@ -173,8 +175,11 @@ def log_stage(result: dict) -> None:
     name = result["stage"]
     stage, _, iteration = name.partition("@")
     step = int(iteration or 0)
-    numbers = {k: v for k, v in flatten(result["metrics"]).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    flat = flatten(result["metrics"])
+    numbers = {k: v for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.endswith(PLACEMENT)}
     mlflow.log_metrics({f"{stage}/{k}".replace(".", "/"): float(v) for k, v in numbers.items()}, step=step)
+    # Where it computed, as tags (`qevolve.device.policy-1`; MLflow refuses `@` in tag keys).
+    mlflow.set_tags({f"qevolve.{k.rsplit('.', 1)[-1]}.{name.replace('@', '-')}": str(v) for k, v in flat.items() if k.endswith(PLACEMENT)})
     if stage == "experts":
         mlflow.log_text(render_trajectories(paths.EXPERTS), "trajectories/experts.md")
     elif stage == "bc":

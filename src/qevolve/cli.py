@@ -78,13 +78,17 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as err:
         print(err, file=sys.stderr)
         return 2
+    from qevolve.models.device import DeviceError
+    from qevolve.stages.training import process_group
+
     try:
-        with workspace_lock(args.params.parent, f"stage {args.stage}"):
-            metrics = run_stage(args.stage, params, args.iteration)
-    except WorkspaceBusy as err:
+        with workspace_lock(args.params.parent, f"stage {args.stage}"), process_group(params.model.device):
+            metrics = run_stage(args.stage, params, args.iteration, args.params)
+    except (WorkspaceBusy, DeviceError) as err:
         print(err, file=sys.stderr)
         return 2
-    print(json.dumps(metrics, indent=2, default=str)[:2000])
+    if metrics:  # the other ranks of a multi-process trainer return none
+        print(json.dumps(metrics, indent=2, default=str)[:2000])
     return 0
 
 

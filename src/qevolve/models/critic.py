@@ -35,6 +35,7 @@ class Critic(nn.Module):
             nn.init.zeros_(head.weight)
             nn.init.zeros_(head.bias)
         self.q_target = copy.deepcopy(self.q).requires_grad_(False)
+        self.to(next(lm.parameters()).device)  # the heads stay float32 whatever the backbone's dtype
 
     def forward(self, ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(V, Q, target Q) at every position, each (B, T)."""

@@ -57,7 +57,7 @@ def load_policy(base_dir: Path | str, cfg: ModelConfig, adapter: Path | str | No
     logits change by float rounding only."""
     from peft import PeftModel
 
-    model, tok = load_base(base_dir, cfg.dtype)
+    model, tok = load_base(base_dir, cfg.dtype, cfg.device)
     if adapter is None:
         return lora_model(model, cfg), tok
     model = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
@@ -152,7 +152,7 @@ class BestOfN(Actor):
         out = []
         for i in range(0, len(seqs), self.batch_size):
             chunk = seqs[i : i + self.batch_size]
-            ids, attn = pad_ids(chunk, self.tok.pad_token_id)
+            ids, attn = pad_ids(chunk, self.tok.pad_token_id, self.backend.device)
             _, q, _ = self.critic(ids, attn)
             out += [float(q[b, len(s) - 1]) for b, s in enumerate(chunk)]
         return out

@@ -6,6 +6,12 @@ calls) and the Prefect tasks run exactly the same thing.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 from qevolve import paths
 from qevolve.config import Params
 
@@ -14,6 +20,8 @@ SETUP = ("experts", "base", "bc")
 """Run once, before the loop."""
 ITERATION = ("collect", "relabel", "critic", "advantage", "policy", "evaluate")
 """Run in this order in every Q-Evolve iteration k >= 1 (`evaluate@0` evaluates the BC policy)."""
+TRAINERS = ("bc", "critic", "policy")
+"""The stages that `train.processes` > 1 runs data-parallel under torchrun."""
 
 
 def iteration_stages(params: Params) -> tuple[str, ...]:
@@ -34,7 +42,32 @@ def pipeline(iterations: int, stages: tuple[str, ...] = ITERATION) -> list[tuple
     return [(s, None) for s in SETUP] + [("evaluate", 0)] + [(s, k) for k in range(1, iterations + 1) for s in stages]
 
 
-def run_stage(stage: str, params: Params, iteration: int | None = None) -> dict:
+def launch_processes(stage: str, params: Params, iteration: int | None, params_file: Path) -> dict:
+    """Run a trainer stage in `train.processes` processes (`torchrun --standalone`, this workspace as the
+    working directory) and return its metrics. The children inherit this process's workspace lock
+    (`QEVOLVE_LOCK_HELD`), and on a CPU share its cores rather than each taking all of them."""
+    from qevolve.lock import inherit_env, workspace_lock
+    from qevolve.models.device import resolve_device
+
+    n = params.train.processes
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           "-m", "qevolve.cli", "run", stage, "--params", str(params_file)]
+    if iteration is not None:
+        cmd += ["--iteration", str(iteration)]
+    with workspace_lock(params_file.parent, f"stage {stage_name(stage, iteration)} in {n} processes"):
+        env = {**os.environ, **inherit_env(params_file.parent)}
+        if resolve_device(params.model.device).type == "cpu":
+            env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // n))
+        done = subprocess.run(cmd, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{stage_name(stage, iteration)}: the {n} training processes failed (exit {done.returncode}); "
+                           f"their output is above. Command: {' '.join(cmd)}")
+    return json.loads(paths.metrics(stage_name(stage, iteration)).read_text())
+
+
+def run_stage(stage: str, params: Params, iteration: int | None = None, params_file: Path = Path("params.yaml")) -> dict:
+    """Run one stage in this workspace (the working directory). A trainer stage with
+    `train.processes` > 1 is launched in that many processes unless this is one of them already."""
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
     if stage in SETUP and iteration is not None:
@@ -44,6 +77,8 @@ def run_stage(stage: str, params: Params, iteration: int | None = None) -> dict:
         raise ValueError(f"stage {stage!r} needs --iteration K with K >= 1")
     name = stage_name(stage, iteration if stage not in SETUP else None)
     out = paths.metrics(name)
+    if stage in TRAINERS and params.train.processes > 1 and "WORLD_SIZE" not in os.environ:
+        return launch_processes(stage, params, iteration, params_file)
     if stage == "experts":
         from qevolve.stages.experts import experts
 

@@ -17,6 +17,7 @@ from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import SchemaError, read_store
 from qevolve.models.critic import load_critic
+from qevolve.models.device import placement
 from qevolve.stages.bc import make_builder
 from qevolve.stages.critic import critic_items, critic_values
 
@@ -97,6 +98,7 @@ def advantage(params: Params, base_dir: Path, critic_dir: Path, data_dir: Path, 
         "raw_std": std,
         "positive_share": float((raw > 0).float().mean()),
         **{f"raw_mean_{k}": sum(v) / len(v) for k, v in by_source.items()},
+        **placement(model),
     }
     write_json(metrics_path, metrics)
     write_json(hist_path, histogram([r["advantage"] for r in rows]))

@@ -14,7 +14,8 @@ from qevolve.data.store import Trajectory, read_store
 from qevolve.envs import check_tasks, make_env
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import INSTRUCTION, INTRODUCTIONS, PromptBuilder, format_action
-from qevolve.stages.training import checkpoint_path, input_digest, last_epoch_mean, packed_rows, pad_ids, train
+from qevolve.models.device import model_device, placement
+from qevolve.stages.training import checkpoint_path, input_digest, is_main, last_epoch_mean, local_share, packed_rows, pad_ids, train
 
 PROMPT_FILE = "prompt.json"  # saved beside the adapter so acting uses the prompt BC trained with
 
@@ -48,14 +49,15 @@ def bc_step(model, micro: list[list[tuple[list[int], list[int]]]], pad_id: int, 
     `pack_tokens` > 0 packs each micro-batch into rows of that many tokens (see `packed_rows`); the
     loss is the same as with padding, since the first token of a window is never an action token."""
     total = sum(sum(m[1:]) for mb in micro for _, m in mb)
+    device = model_device(model)
     loss_sum = 0.0
-    for mb in micro:
+    for mb in local_share(micro):
         if pack_tokens:
-            ids, mask, pos = packed_rows([x for x, _ in mb], [m for _, m in mb], pack_tokens, pad_id)
+            ids, mask, pos = (t.to(device) for t in packed_rows([x for x, _ in mb], [m for _, m in mb], pack_tokens, pad_id))
             logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
         else:
-            ids, attn = pad_ids([x for x, _ in mb], pad_id)
-            mask, _ = pad_ids([m for _, m in mb], 0)
+            ids, attn = pad_ids([x for x, _ in mb], pad_id, device)
+            mask, _ = pad_ids([m for _, m in mb], 0, device)
             logits = model(input_ids=ids, attention_mask=attn).logits
         weight = int(mask[:, 1:].sum()) / max(total, 1)
         loss = masked_nll(logits, ids, mask) * weight
@@ -81,6 +83,8 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
                   checkpoint=checkpoint_path(out), inputs=input_digest(experts_dir))
     elapsed = time.perf_counter() - start
     tokens = cfg.epochs * sum(len(ids) for ids, _ in examples)
+    if not is_main():
+        return {}
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)
         (tmp / PROMPT_FILE).write_text(json.dumps({"one_shot": one_shot, "repeat_task": params.prompt.repeat_task, "intro": builder.intro}) + "\n")
@@ -94,6 +98,7 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
         "tokens_per_s": tokens / elapsed,
         "train_seconds": elapsed,
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        **placement(model),
     }
     write_json(metrics_path, metrics)
     write_json(curve_path, curve)

@@ -12,6 +12,7 @@ from qevolve.data.atomic import write_json
 from qevolve.data.store import write_store
 from qevolve.envs import make_env, select_tasks
 from qevolve.envs.base import check_env_failures, env_failures
+from qevolve.models.device import placement
 from qevolve.models.policy import Actor, load_policy
 from qevolve.stages.bc import make_builder
 from qevolve.stages.rollout import play_in
@@ -39,6 +40,7 @@ def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics
     tokens = sum(s.prompt_tokens + s.output_tokens for t in trajs for s in t.steps)
     generated = sum(s.output_tokens for t in trajs for s in t.steps)
     metrics = {
+        **placement(model),
         "truncated_observations": len(actor.builder.truncated),
         "env_failures": sum(failures.values()),
         "env_failure_reasons": failures,

@@ -20,7 +20,8 @@ from qevolve.models.critic import Critic, load_critic
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PromptBuilder, Window
 from qevolve.stages.bc import PROMPT_FILE, make_builder
-from qevolve.stages.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train
+from qevolve.models.device import model_device, placement
+from qevolve.stages.training import checkpoint_path, input_digest, is_main, last_epoch_mean, local_share, pad_ids, train
 
 
 @dataclass
@@ -66,8 +67,9 @@ def critic_step(critic: Critic, micro: list[list[CriticItem]], gamma: float, tau
     """Weighted expectile loss for V plus weighted TD loss for Q, over every step of the micro-batches."""
     n_weight = sum(float(it.weights[s]) for mb in micro for it in mb for s, (_, q) in read_positions(it).items() if q >= 0)
     sums = {"loss": 0.0, "v_loss": 0.0, "q_loss": 0.0}
-    for mb in micro:
-        ids, attn = pad_ids([it.window.ids for it in mb], pad_id)
+    device = model_device(critic)
+    for mb in local_share(micro):
+        ids, attn = pad_ids([it.window.ids for it in mb], pad_id, device)
         v, q, q_target = critic(ids, attn)
         rows, v_pos, q_pos, next_pos, r, notdone, w = [], [], [], [], [], [], []
         for b, it in enumerate(mb):
@@ -83,13 +85,14 @@ def critic_step(critic: Critic, micro: list[list[CriticItem]], gamma: float, tau
                 r.append(float(it.rewards[step]))
                 notdone.append(0.0 if (step == T - 1 and it.done) else 1.0)
                 w.append(float(it.weights[step]))
-        rows_t, q_pos_t = torch.tensor(rows, dtype=torch.long), torch.tensor(q_pos, dtype=torch.long)
-        v_s = v[rows_t, torch.tensor(v_pos, dtype=torch.long)]
+        index = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        rows_t, q_pos_t = index(rows), index(q_pos)
+        v_s = v[rows_t, index(v_pos)]
         q_sa = q[rows_t, q_pos_t]
         q_tgt = q_target[rows_t, q_pos_t].detach()
-        v_next = v[rows_t, torch.tensor(next_pos, dtype=torch.long)].detach()
-        w_t = torch.tensor(w)
-        td_target = torch.tensor(r) + gamma * torch.tensor(notdone) * v_next
+        v_next = v[rows_t, index(next_pos)].detach()
+        w_t = torch.tensor(w, device=device)
+        td_target = torch.tensor(r, device=device) + gamma * torch.tensor(notdone, device=device) * v_next
         v_loss = (w_t * weighted_expectile(q_tgt - v_s, tau)).sum() / n_weight
         q_loss = (w_t * (td_target - q_sa).pow(2)).sum() / n_weight
         (v_loss + q_loss).backward()
@@ -106,8 +109,8 @@ def critic_values(critic: Critic, items: list[CriticItem], pad_id: int, batch_si
     out: dict[int, dict[int, tuple[float, float]]] = {}
     for i in range(0, len(items), batch_size):
         mb = items[i : i + batch_size]
-        ids, attn = pad_ids([it.window.ids for it in mb], pad_id)
-        v, q, _ = critic(ids, attn)
+        ids, attn = pad_ids([it.window.ids for it in mb], pad_id, model_device(critic))
+        v, q = (x.cpu() for x in critic(ids, attn)[:2])
         for b, it in enumerate(mb):
             values = out.setdefault(it.traj, {})
             for step, (vp, qp) in read_positions(it).items():
@@ -135,6 +138,8 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, out
         inputs=input_digest(policy_dir, data_dir),
     )
     elapsed = time.perf_counter() - start
+    if not is_main():
+        return {}
     values = critic_values(model, items, tok.pad_token_id, cfg.micro_batch_size)
     with atomic_dir(out) as tmp:
         model.save(tmp)
@@ -148,6 +153,7 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, out
         "trajectories": len(trajs),
         "train_seconds": elapsed,
         **value_stats(trajs, values),
+        **placement(model),
     }
     write_json(metrics_path, metrics)
     write_json(curve_path, curve)

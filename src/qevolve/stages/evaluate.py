@@ -12,6 +12,7 @@ from qevolve.data.atomic import write_json
 from qevolve.data.store import Trajectory, write_store
 from qevolve.envs import make_env, select_tasks
 from qevolve.envs.base import check_env_failures
+from qevolve.models.device import placement
 from qevolve.models.policy import Actor, load_policy
 from qevolve.stages.bc import make_builder
 from qevolve.stages.rollout import play_in
@@ -56,6 +57,7 @@ def play_splits(params: Params, actor: Actor, out: Path, metrics_path: Path, sou
             **episode_metrics(trajs), "cumulative_env_steps": spent["cumulative_env_steps"],
             "cumulative_generated_tokens": spent.get("cumulative_generated_tokens", 0),
             "truncated_observations": len(actor.builder.truncated) - cut, "env_failures": failures,
+            **placement(actor.backend.model),
         }
         all_trajs += trajs
     write_store(out, all_trajs)

@@ -24,6 +24,7 @@ from qevolve.data.atomic import atomic_dir, atomic_path, write_json
 from qevolve.data.store import Trajectory
 from qevolve.envs import make_env, select_tasks
 from qevolve.envs.base import check_env_failures
+from qevolve.models.device import placement
 from qevolve.models.policy import Actor, load_policy
 from qevolve.stages.bc import PROMPT_FILE, make_builder
 from qevolve.stages.policy import policy_items, policy_step, reference_pass
@@ -116,6 +117,7 @@ def online(params: Params, base_dir: Path, previous_dir: Path, out: Path, metric
         "generated_tokens": state["generated_tokens"],
         "cumulative_generated_tokens": before.get("cumulative_generated_tokens", 0) + state["generated_tokens"],
         "seconds": time.perf_counter() - start,
+        **placement(model),
     }
     write_json(metrics_path, metrics)
     write_json(curve_path, state["curve"])

@@ -24,7 +24,8 @@ from qevolve.models.policy import load_policy
 from qevolve.models.prompt import Window
 from qevolve.stages.advantage import read_advantages
 from qevolve.stages.bc import PROMPT_FILE, make_builder
-from qevolve.stages.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train
+from qevolve.models.device import model_device, placement
+from qevolve.stages.training import checkpoint_path, input_digest, is_main, last_epoch_mean, local_share, pad_ids, train
 
 
 @dataclass
@@ -45,7 +46,7 @@ class PolicyItem:
 
 def step_token_logps(model, items: list[PolicyItem], pad_id: int) -> list[list[torch.Tensor]]:
     """Per item, per action step: the log-probs of the action's tokens under `model`."""
-    ids, attn = pad_ids([it.window.ids for it in items], pad_id)
+    ids, attn = pad_ids([it.window.ids for it in items], pad_id, model_device(model))
     logp = token_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids)  # entry t predicts ids[t+1]
     return [[logp[b, a - 1 : e - 1] for a, e in it.spans] for b, it in enumerate(items)]
 
@@ -55,7 +56,7 @@ def reference_pass(model, items: list[PolicyItem], pad_id: int, batch_size: int)
     model.eval()
     out = []
     for i in range(0, len(items), batch_size):
-        out += step_token_logps(model, items[i : i + batch_size], pad_id)
+        out += [[lp.cpu() for lp in per] for per in step_token_logps(model, items[i : i + batch_size], pad_id)]
     return out
 
 
@@ -78,18 +79,19 @@ def policy_step(model, micro: list[list[PolicyItem]], params: Params, pad_id: in
     n_steps = sum(len(it.spans) for mb in micro for it in mb)
     n_tokens = sum(b - a for mb in micro for it in mb for a, b in it.spans)
     sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio": 0.0}
-    for mb in micro:
+    device = model_device(model)
+    for mb in local_share(micro):
         new_tokens = step_token_logps(model, mb, pad_id)
         logp_new = torch.stack([lp.sum() for per in new_tokens for lp in per])
-        logp_b = torch.cat([it.behavior for it in mb])
-        adv = torch.cat([it.advantages for it in mb])
+        logp_b = torch.cat([it.behavior for it in mb]).to(device)
+        adv = torch.cat([it.advantages for it in mb]).to(device)
         share = len(logp_new) / n_steps
         if cfg.algo == "bppo":
             pg = bppo_loss(logp_new, logp_b, adv, cfg.clip_low, cfg.clip_high)
         else:
             pg = awr_loss(logp_new, adv, cfg.awr_beta, cfg.awr_max_weight)
         tok_new = torch.cat([lp for per in new_tokens for lp in per])
-        tok_ref = torch.cat([r for it in mb for r in it.reference])
+        tok_ref = torch.cat([r for it in mb for r in it.reference]).to(device)
         kl = kl_to_reference(tok_new, tok_ref)
         loss = pg * share + cfg.kl_coef * kl * (len(tok_new) / n_tokens)
         loss.backward()
@@ -124,6 +126,8 @@ def policy(
     curve = train(model, items, cfg, lambda it: len(it.window.ids), lambda micro: policy_step(model, micro, params, tok.pad_token_id), "policy",
                   checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, bc_dir, data_dir, advantage_dir))
     elapsed = time.perf_counter() - start
+    if not is_main():
+        return {}
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)
         (tmp / PROMPT_FILE).write_text((Path(previous_dir) / PROMPT_FILE).read_text())
@@ -137,6 +141,7 @@ def policy(
         "windows": len(items),
         "steps": sum(len(it.spans) for it in items),
         "train_seconds": elapsed,
+        **placement(model),
     }
     write_json(metrics_path, metrics)
     write_json(curve_path, curve)

@@ -1,11 +1,21 @@
-"""What the trainers (`bc`, `critic`, `policy`) share: batching of token windows, the LR schedule, the loop."""
+"""What the trainers (`bc`, `critic`, `policy`) share: batching of token windows, the LR schedule, the loop.
+
+Data parallelism (`train.processes` > 1, under torch.distributed): every rank draws the same optimiser
+batches (same seed), runs only its share of each batch's micro-batches (`local_share`), and the
+gradients are summed across ranks before the optimiser step. Each step function normalises its loss
+over the whole batch (not its share), so the sum is the one-process gradient: N processes compute the
+same update as one, to float rounding. Summing by hand rather than through DDP's wrapper keeps that
+exact when ranks run different numbers of micro-batches (DDP averages, and hangs on uneven backward
+counts under gradient accumulation). Rank 0 writes checkpoints and artifacts."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
 import random
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
@@ -14,21 +24,78 @@ from tqdm import tqdm
 
 from qevolve.config import TrainConfig
 from qevolve.data.atomic import atomic_path
+from qevolve.models.device import resolve_device
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-def pad_ids(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token lists to the longest: (ids, attention_mask), each (B, T)."""
+def pad_ids(seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists to the longest: (ids, attention_mask), each (B, T), on `device`."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(list(s))
         attn[i, : len(s)] = 1
-    return ids, attn
+    return ids.to(device), attn.to(device)
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of processes (0, 1 outside torch.distributed)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_main() -> bool:
+    """Whether this process writes artifacts: rank 0, or the only process."""
+    return rank_and_world()[0] == 0
+
+
+def local_share(micro: list[list[T]]) -> list[list[T]]:
+    """The micro-batches of an optimiser batch that this rank runs (all of them in one process)."""
+    rank, world = rank_and_world()
+    return micro[rank::world]
+
+
+@contextmanager
+def process_group(device_setting: str) -> Iterator[None]:
+    """Join the torch.distributed group that `torchrun` set up (NCCL on GPUs, gloo on a CPU) for the
+    block, when this process is one of several; otherwise do nothing."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        yield
+        return
+    device = resolve_device(device_setting)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _sum_across_ranks(params: list[torch.nn.Parameter], metrics: dict) -> dict:
+    """Sum every parameter's gradient and every numeric metric over the ranks, in one all-reduce."""
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is None:  # a rank with no micro-batch in this step
+            p.grad = torch.zeros_like(p)
+    keys = [k for k, v in metrics.items() if isinstance(v, (int, float))]
+    flat = torch.cat([p.grad.flatten().float() for p in params] + [torch.tensor([float(metrics[k]) for k in keys], device=params[0].device)])
+    dist.all_reduce(flat)
+    at = 0
+    for p in params:
+        p.grad.copy_(flat[at : at + p.numel()].view_as(p.grad))
+        at += p.numel()
+    return {**metrics, **dict(zip(keys, flat[at:].tolist()))}
 
 
 def pack(lengths: Sequence[int], limit: int) -> list[list[int]]:
@@ -89,8 +156,9 @@ def train(
     inputs: str = "",
 ) -> list[dict]:
     """AdamW with linear warm-up and decay over `cfg.epochs` epochs; `step(micro_batches)` runs the
-    forward and backward passes of one optimiser step and returns its metrics (with `loss`); `after_step`
-    runs after each optimiser step (e.g. a target-network update).
+    forward and backward passes of one optimiser step (of its `local_share` under several processes) and
+    returns its metrics (with `loss`), each a sum of shares; `after_step` runs after each optimiser step
+    (e.g. a target-network update).
 
     With `checkpoint` (a file path), the whole training state (the model's changing tensors, optimiser,
     schedule, RNGs, position in the epoch and the curve so far) is saved there atomically every
@@ -114,7 +182,7 @@ def train(
     curve: list[dict] = []
     epoch, skip, epoch_rng = 0, 0, rng.getstate()
     if checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
+        state = torch.load(checkpoint, weights_only=False, map_location="cpu")
         if state["fingerprint"] == key:
             model.load_state_dict(state["model"], strict=False)
             optimizer.load_state_dict(state["optimizer"])
@@ -125,7 +193,12 @@ def train(
         else:
             log.warning("%s: ignoring checkpoint %s, written for another configuration or dataset", desc, checkpoint)
 
+    rank, world = rank_and_world()
+
     def save(epoch: int, batch: int, epoch_rng) -> None:
+        if rank != 0:
+            torch.distributed.barrier()  # wait until rank 0 has written it
+            return
         state = {
             "fingerprint": key, "model": {n: t.detach().clone() for n, t in model.state_dict().items() if n in saved},
             "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "torch_rng": torch.get_rng_state(),
@@ -133,9 +206,11 @@ def train(
         }
         with atomic_path(checkpoint) as tmp:
             torch.save(state, tmp)
+        if world > 1:
+            torch.distributed.barrier()
 
     model.train()
-    with tqdm(total=total, initial=len(curve), desc=desc, unit="step") as bar:
+    with tqdm(total=total, initial=len(curve), desc=desc, unit="step", disable=rank != 0) as bar:
         while epoch < cfg.epochs:
             rng.setstate(epoch_rng)
             for i, micro in enumerate(batches(items, cfg, rng, length)):
@@ -143,6 +218,8 @@ def train(
                     continue
                 optimizer.zero_grad(set_to_none=True)
                 metrics = step(micro)
+                if world > 1:
+                    metrics = _sum_across_ranks(params, metrics)
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
                 schedule.step()

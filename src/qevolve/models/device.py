@@ -1,0 +1,57 @@
+"""Where a model computes: the device and dtype that `model.device` and `model.dtype` resolve to.
+
+The setting `auto` picks the GPU where one is present. Under `torchrun` (several training processes)
+each process takes the GPU of its local rank. `QEVOLVE_DEVICE` overrides `model.device`, so a worker
+can be pointed at a device without editing params.yaml (the device is not part of a stage's lineage).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+class DeviceError(ValueError):
+    pass
+
+
+def resolve_device(setting: str = "auto") -> torch.device:
+    setting = os.environ.get("QEVOLVE_DEVICE") or setting
+    if setting == "auto":
+        setting = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(setting)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"model.device: {setting!r} asked for, but torch {torch.__version__} sees no CUDA device; "
+                              "use `auto` or `cpu`")
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if device.index >= torch.cuda.device_count():
+            raise DeviceError(f"model.device: {setting!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return device
+
+
+def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """`auto` is float32 on a CPU (bfloat16 matmuls are slow there) and bfloat16 on a GPU."""
+    if setting == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return getattr(torch, setting)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def describe(device: torch.device) -> str:
+    """What a stage's metrics record of where it ran: `cpu`, or `cuda:0 (NVIDIA H200)`."""
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
+
+
+def placement(model: torch.nn.Module) -> dict:
+    """What a stage's metrics record of where it computed: device, weights' dtype, processes."""
+    import torch.distributed as dist
+
+    p = next(model.parameters())
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return {"device": describe(p.device), "dtype": str(p.dtype).removeprefix("torch."), "processes": world}

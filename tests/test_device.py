@@ -1,0 +1,91 @@
+"""The device path: settings resolve to a device and dtype, stay out of lineage, and (where a GPU is
+present) CUDA computes what the CPU computes."""
+
+import pytest
+import torch
+
+from qevolve import dvcfile
+from qevolve.config import ConfigError, ModelConfig, lineage_dump, parse_params
+from qevolve.models.device import DeviceError, resolve_device, resolve_dtype
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine (CPU/CUDA parity needs one)")
+
+
+def test_device_settings_resolve(monkeypatch):
+    monkeypatch.delenv("QEVOLVE_DEVICE", raising=False)
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setenv("QEVOLVE_DEVICE", "cpu")
+    assert resolve_device("cuda") == torch.device("cpu")  # the environment variable wins
+    assert resolve_dtype("auto", torch.device("cpu")) is torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16
+    assert resolve_dtype("float16", torch.device("cpu")) is torch.float16
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_asking_for_cuda_without_one_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("QEVOLVE_DEVICE", raising=False)
+    with pytest.raises(DeviceError, match="model.device: 'cuda:1'.*no CUDA device"):
+        resolve_device("cuda:1")
+
+
+def test_bad_device_is_refused_at_load():
+    with pytest.raises(ConfigError, match=r"model.device: .*expected `auto`, `cpu`, `cuda` or `cuda:N`"):
+        parse_params({"model": {"device": "gpu"}})
+
+
+def test_where_a_stage_computes_is_not_part_of_its_lineage():
+    cpu = parse_params({"model": {"device": "cpu"}, "evolve": {"iterations": 1}})
+    gpu = parse_params({"model": {"device": "cuda:0"}, "train": {"processes": 4}, "evolve": {"iterations": 1}})
+    assert lineage_dump(cpu) == lineage_dump(gpu)
+    assert dvcfile.render(cpu) == dvcfile.render(gpu)
+    assert "model.device" not in dvcfile.render(cpu) and "train" not in str(dvcfile.spec(cpu)["stages"]["bc"]["params"])
+    assert "model.dtype" in dvcfile.spec(cpu)["stages"]["bc"]["params"]  # the dtype is: it changes the numbers
+
+
+def test_pretrained_bases_keep_their_embeddings_unless_told():
+    assert ModelConfig().lora.train_embeddings is True  # the embedded base is trained from scratch
+    assert ModelConfig(base="smollm2").lora.train_embeddings is False
+    assert ModelConfig(base="smollm2", lora={"train_embeddings": True}).lora.train_embeddings is True
+
+
+def _backends(tiny_base, device: str, dtype: str = "float32"):
+    from qevolve.models.backend import HFBackend
+    from qevolve.models.policy import load_policy
+
+    torch.manual_seed(0)
+    model, tok = load_policy(tiny_base, ModelConfig(lora={"r": 4, "alpha": 8}, device=device, dtype=dtype))
+    return HFBackend(model.eval(), tok.pad_token_id), tok
+
+
+@CUDA
+def test_cuda_scores_and_generates_as_the_cpu_does_with_kv_reuse(tiny_base):
+    cpu, tok = _backends(tiny_base, "cpu")
+    gpu, _ = _backends(tiny_base, "cuda")
+    gpu.model.load_state_dict(cpu.model.state_dict())  # the same fresh adapter on both
+    prompts = [tok.encode("Your task is to: put some book on sidetable."), tok.encode("You arrive at desk 1. On the desk 1, you see a book 1.")]
+    cands = [[tok.encode("Action: go to desk 1"), tok.encode("Action: look")]] * 2
+    for turn in range(3):  # later turns extend the prompts, so the slots' caches are reused
+        a, b = cpu.score([0, 1], prompts, cands), gpu.score([0, 1], prompts, cands)
+        assert all(torch.allclose(x, y, atol=1e-3) for x, y in zip(a, b))
+        ga = cpu.generate([0, 1], prompts, max_new_tokens=6, stop=lambda t: False, greedy=True, temperature=1.0)
+        gb = gpu.generate([0, 1], prompts, max_new_tokens=6, stop=lambda t: False, greedy=True, temperature=1.0)
+        assert [t for t, _ in ga] == [t for t, _ in gb]
+        assert all(abs(x - y) < 1e-3 for (_, x), (_, y) in zip(ga, gb))
+        prompts = [p + t + tok.encode(" Nothing happens.") for p, (t, _) in zip(prompts, ga)]
+    assert gpu.encoded_tokens < sum(map(len, prompts)) * 3  # reuse encoded less than every prompt in full
+
+
+@CUDA
+def test_cuda_gives_the_cpus_first_training_loss(tiny_base):
+    from qevolve.models.policy import load_policy
+    from qevolve.models.prompt import PromptBuilder
+    from qevolve.stages.bc import bc_step
+
+    losses = []
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        model, tok = load_policy(tiny_base, ModelConfig(lora={"r": 4, "alpha": 8}, device=device, dtype="float32"))
+        ex = PromptBuilder(tok, 512).training_examples("find a key.", ["You are in the middle of a room."], ["Action: look"])
+        losses.append(bc_step(model, [ex], tok.pad_token_id)["loss"])
+    assert losses[0] == pytest.approx(losses[1], abs=1e-4)

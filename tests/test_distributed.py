@@ -1,0 +1,71 @@
+"""Data-parallel training: 2 gloo processes under torchrun compute the same updates as one process, and
+the children of a workspace-lock holder inherit its lock."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qevolve.lock import WorkspaceBusy, inherit_env, workspace_lock
+
+WORKER = Path(__file__).with_name("ddp_worker.py")
+
+
+def _train(tiny_base, out: Path, processes: int) -> dict:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else [sys.executable]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent)}
+    done = subprocess.run([*launcher, str(WORKER), str(tiny_base), str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out)
+
+
+def test_two_processes_compute_the_same_updates_as_one(tiny_base, tmp_path):
+    one = _train(tiny_base, tmp_path / "one.pt", 1)
+    two = _train(tiny_base, tmp_path / "two.pt", 2)
+    assert len(one["curve"]) == len(two["curve"]) == 4  # 2 epochs of 2 batches (6 windows, 3 per batch)
+    for a, b in zip(one["curve"], two["curve"]):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    assert one["curve"][-1]["loss"] < one["curve"][0]["loss"]
+    assert one["params"].keys() == two["params"].keys()
+    worst = max(float((one["params"][n] - two["params"][n]).abs().max()) for n in one["params"])
+    assert worst < 1e-6, worst
+
+
+def _child_takes_lock(root: Path, env: dict) -> subprocess.CompletedProcess:
+    code = f"from qevolve.lock import workspace_lock\nwith workspace_lock({str(root)!r}, 'child'):\n    print('inside')"
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+
+
+def test_a_lock_holders_children_inherit_its_lock_and_no_one_else_does(tmp_path):
+    with workspace_lock(tmp_path, "parent"):
+        token = inherit_env(tmp_path)
+        assert _child_takes_lock(tmp_path, token).stdout.strip() == "inside"
+        refused = _child_takes_lock(tmp_path, {})
+        assert "WorkspaceBusy" in refused.stderr and "parent" in refused.stderr
+        forged = {"QEVOLVE_LOCK_HELD": f"{os.getpid() + 999999}:{token['QEVOLVE_LOCK_HELD'].split(':', 1)[1]}"}
+        assert "WorkspaceBusy" in _child_takes_lock(tmp_path, forged).stderr  # not an ancestor
+    with pytest.raises(RuntimeError, match="does not hold"):
+        inherit_env(tmp_path)
+    with workspace_lock(tmp_path, "again"):
+        pass  # released after the parent's block
+
+
+def test_lock_is_not_inherited_by_a_process_that_is_not_a_child(tmp_path, monkeypatch):
+    with workspace_lock(tmp_path, "parent"):
+        token = inherit_env(tmp_path)
+    # The token names this process itself, which is no ancestor of itself: another thread of work here
+    # holding a stale token does not get in while a different process holds the lock.
+    monkeypatch.setenv("QEVOLVE_LOCK_HELD", token["QEVOLVE_LOCK_HELD"])
+    holder = subprocess.Popen([sys.executable, "-c", f"from qevolve.lock import workspace_lock\nimport time\nwith workspace_lock({str(tmp_path)!r}, 'other'):\n    print('held', flush=True); time.sleep(30)"],
+                              stdout=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "QEVOLVE_LOCK_HELD"})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(WorkspaceBusy):
+            with workspace_lock(tmp_path, "stale token"):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
