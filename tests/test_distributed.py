@@ -11,12 +11,14 @@ import torch
 
 from qevolve.lock import WorkspaceBusy, inherit_env, workspace_lock
 
-WORKER = Path(__file__).with_name("ddp_worker.py")
+from conftest import REPO
+
+WORKER = REPO / "benchmarks" / "ddp_train.py"
 
 
 def _train(tiny_base, out: Path, processes: int) -> dict:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else [sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([*launcher, str(WORKER), str(tiny_base), str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out)

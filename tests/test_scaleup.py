@@ -1,0 +1,85 @@
+"""Slow tier: the GPU check's CPU dry run, a real pretrained model (SmolLM2 from its GGUF file), and
+multi-process trainers run by `dvc repro` and by the flow under the workspace lock."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from conftest import REPO
+from test_pipeline import DVC, _finish, _flow, _workspace
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
+    done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--shape", "tiny", "--scale", "tiny", "--out", str(tmp_path)],
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "src")}, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert results["parity"]["ok"] and results["parity"]["float32"]["max_abs_logp_diff"] < 1e-3
+    stages = results["pipeline"]["stages"]
+    assert list(stages) == ["experts", "base", "bc", "evaluate@0", "collect@1", "relabel@1", "critic@1", "advantage@1", "policy@1", "evaluate@1"]
+    assert all(s["device"] == "cpu" for name, s in stages.items() if name in ("bc", "critic@1", "policy@1", "evaluate@1"))
+    assert results["throughput"]["train_tokens_s"] > 0 and results["throughput"]["score_candidates_s"] > 0
+    dist = results["distributed"]
+    assert all(dist[k]["ok"] for k in ("one_rank_on_device", "cpu_one_process", "cpu_two_ranks"))
+    assert dist["two_ranks_max_loss_diff"] < 1e-5
+    assert "## Throughput" in (tmp_path / "gpu_check.md").read_text()
+
+
+@pytest.mark.slow
+def test_smollm2_loads_from_its_gguf_file_once_and_trains(tmp_path, monkeypatch):
+    from qevolve.config import BCConfig, ModelConfig
+    from qevolve.models.base import write_pointer
+    from qevolve.models.policy import load_policy
+    from qevolve.models.prompt import PromptBuilder
+    from qevolve.stages.bc import bc_step
+    from qevolve.stages.training import train
+
+    monkeypatch.setenv("QEVOLVE_MODEL_CACHE", str(tmp_path / "cache"))
+    base = tmp_path / "base"
+    base.mkdir()
+    pointer = write_pointer("smollm2", base)
+    assert len(pointer["gguf_sha256"]) == 64
+    cfg = ModelConfig(base="smollm2", lora={"r": 8, "alpha": 16}, device="cpu")
+    assert cfg.lora.train_embeddings is False
+    torch.manual_seed(0)
+    model, tok = load_policy(base, cfg)
+    [converted] = (tmp_path / "cache").iterdir()
+    assert converted.name == f"gguf-{pointer['gguf_sha256'][:16]}"
+    assert sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n) == 134_515_008  # SmolLM2-135M
+    assert not any("modules_to_save" in n for n, _ in model.named_parameters())
+    builder = PromptBuilder(tok, 256)
+    prompt = tok.decode(builder.prompt("put some book on sidetable.", ["You are in the middle of a room."], []))
+    assert "<|im_start|>user" in prompt and prompt.rstrip().endswith("<|im_start|>assistant")  # its own chat template
+    examples = builder.training_examples("put some book on sidetable.", ["You are in the middle of a room."], ["Action: go to desk 1"])
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    curve = train(model, examples * 2, BCConfig(epochs=3, lr=1e-3, batch_size=2, micro_batch_size=2, warmup_ratio=0.0),
+                  lambda e: len(e[0]), lambda micro: bc_step(model, micro, tok.pad_token_id), "smollm2")
+    assert curve[-1]["loss"] < curve[0]["loss"]
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters() if p.requires_grad)
+    mtime = converted.stat().st_mtime_ns
+    load_policy(base, cfg)  # a second load reads the converted copy, nothing is converted again
+    assert converted.stat().st_mtime_ns == mtime and len(list((tmp_path / "cache").iterdir())) == 1
+
+
+@pytest.mark.slow
+def test_multi_process_trainers_run_from_dvc_repro_and_from_the_flow(tmp_path, alfworld_data):
+    ws = _workspace(tmp_path, train={"processes": 2})
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run([DVC, "repro", "bc"], cwd=ws, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "another qevolve process" not in done.stdout + done.stderr
+    assert json.loads((ws / "metrics" / "bc.json").read_text())["processes"] == 2
+    out = _finish(_flow(ws))  # bc is current; the flow runs the iteration's trainers in 2 processes each
+    for stage in ("critic@1", "policy@1"):
+        assert json.loads((ws / "metrics" / f"{stage}.json").read_text())["processes"] == 2, stage
+    assert "stages run:" in out
+    status = subprocess.run([DVC, "status"], cwd=ws, capture_output=True, text=True, check=True).stdout
+    assert "up to date" in status, status
+    params = yaml.safe_load((ws / "params.yaml").read_text())
+    assert params["train"] == {"processes": 2}
