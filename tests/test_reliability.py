@@ -165,3 +165,22 @@ def test_a_model_base_path_that_does_not_exist_is_refused(tmp_path):
 
     with pytest.raises(ModelLoadError, match=r"model.base: path '/no/such/model' does not exist"):
         write_pointer("/no/such/model", tmp_path)
+
+
+def test_gguf_bases_fail_naming_the_file(tmp_path, monkeypatch):
+    from qevolve.models.base import write_pointer
+
+    monkeypatch.setenv("QEVOLVE_MODEL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ModelLoadError, match="GGUF file '/no/such.gguf' does not exist"):
+        write_pointer("/no/such.gguf", tmp_path)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"not a gguf file")
+    base = tmp_path / "base"
+    base.mkdir()
+    write_pointer(str(gguf), base)
+    with pytest.raises(ModelLoadError, match=f"cannot read GGUF file {gguf}"):
+        load_base(base)
+    gguf.write_bytes(b"another file")  # changed since the base stage recorded it
+    with pytest.raises(ModelLoadError, match=r"is not the file the base stage recorded .*dvc repro base"):
+        load_base(base)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # nothing half-converted left

@@ -126,8 +126,8 @@ class ModelConfig(Section):
     context_tokens: int = Field(768, gt=64)
     """Prompt budget; older turns are dropped, the task and first observation are always kept."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights' dtype; `auto` = float32 on a CPU, bfloat16 on a GPU. LoRA weights and the critic's heads
-    stay float32 whatever it is."""
+    """Weights' dtype; `auto` = bfloat16 on a GPU, float32 on a CPU or where `lora.train_embeddings` trains
+    the embeddings in full (the embedded base). LoRA weights and the critic's heads stay float32."""
     device: str = "auto"
     """`auto` (the GPU where one is present, else the CPU), `cpu`, `cuda` or `cuda:N`; the environment
     variable QEVOLVE_DEVICE overrides it. Where a stage computes is not part of its lineage: DVC's params

@@ -1,5 +1,7 @@
-"""dvc.yaml, generated from `params.yaml`: one stage per step and iteration, each depending on exactly
-what its stage function reads (the same paths `qevolve.stages.run_stage` passes it).
+"""dvc.yaml, generated from `params.yaml`: one stage per step and iteration, each depending on what its
+stage function reads (the same paths `qevolve.stages.run_stage` passes it), on the params sections it
+reads, and on every source file it can execute, computed from the imports (`code_deps`), so a change to
+any code a stage runs makes DVC run it again.
 
 DVC cannot loop over a number, so `evolve.iterations: N` is turned into `foreach` entries here:
 `qevolve dvc-yaml` rewrites the file, and `qevolve run` refuses to start when the file on disk no longer
@@ -8,6 +10,7 @@ matches params.yaml, so `dvc repro` never runs a stale chain.
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import yaml
@@ -20,13 +23,57 @@ HEADER = (
     "# Do not edit by hand: change the generator in src/qevolve/dvcfile.py.\n"
 )
 SRC = "src/qevolve"
-MODEL_CODE = ["src/qevolve/models/policy.py", "src/qevolve/models/base.py", "src/qevolve/models/device.py"]
-"""What loading a policy runs: peft on the base, the base (GGUF conversion included) on its device."""
-ACTING = ["src/qevolve/stages/rollout.py", *MODEL_CODE, "src/qevolve/models/backend.py", "src/qevolve/models/prompt.py", "src/qevolve/envs"]
+PACKAGE = Path(__file__).resolve().parent
+ENTRY_POINTS = ("qevolve.cli", "qevolve.stages")
+"""What `qevolve run STAGE` runs before the stage's own module: only their module-level imports are
+followed (their function-level ones dispatch to every stage)."""
 MODEL_PARAMS = ["model.base", "model.embedded", "model.lora", "model.context_tokens", "model.dtype"]
 """The `model` section less `model.device`: where a stage computes is not part of its lineage (nor is
 the `train` section, how many processes train)."""
-ACTING_PARAMS = ["env", *MODEL_PARAMS, "policy.action_mode", "policy.max_new_tokens"]
+BUILDER_PARAMS = ["prompt.max_observation_tokens"]
+"""What `make_builder` reads beside the prompt saved with the policy."""
+ACTING_PARAMS = ["env", *MODEL_PARAMS, *BUILDER_PARAMS, "policy.action_mode", "policy.max_new_tokens"]
+
+
+def _module_file(name: str) -> Path | None:
+    """The file of a module of this package (`qevolve.models.base`), or None for any other module."""
+    top, *rest = name.split(".")
+    if top != "qevolve":
+        return None
+    candidates = [PACKAGE.joinpath(*rest[:-1], rest[-1] + ".py")] if rest else []
+    return next((f for f in [*candidates, PACKAGE.joinpath(*rest, "__init__.py")] if f.is_file()), None)
+
+
+def _imports(path: Path, module_level_only: bool) -> set[str]:
+    """The qevolve modules `path` imports (at any depth of its code, or only at module level)."""
+    tree = ast.parse(path.read_text(), str(path))
+    nodes = tree.body if module_level_only else ast.walk(tree)
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}  # `from qevolve.stages import bc`
+    return {m for m in found if _module_file(m) is not None}
+
+
+def code_deps(stage: str) -> list[str]:
+    """Every source file of the package that `qevolve run <stage>` can execute: the stage's module and
+    what it imports, transitively (function-level imports included, so every environment that `make_env`
+    can build is there), with each module's parent packages; plus the entry points' own module-level
+    imports. Computed from the code, so a new import can never be missing from dvc.yaml."""
+    todo = [(m, True) for m in ENTRY_POINTS] + [(f"qevolve.stages.{stage}", False)]
+    seen: dict[str, bool] = {}
+    while todo:
+        name, shallow = todo.pop()
+        if name in seen and (shallow or not seen[name]):
+            continue
+        seen[name] = shallow
+        parts = name.split(".")
+        todo += [(".".join(parts[:i]), False) for i in range(1, len(parts)) if ".".join(parts[:i]) not in ENTRY_POINTS]
+        todo += [(m, m in ENTRY_POINTS) for m in _imports(_module_file(name), module_level_only=shallow)]
+    return sorted(f"{SRC}/{_module_file(m).relative_to(PACKAGE).as_posix()}" for m in seen)
 
 
 def _stage(cmd: str, deps: list[str], params: list[str], outs: list[str], metrics: str, plot: dict | None = None) -> dict:
@@ -48,20 +95,16 @@ def _family(name: str, iterations: list[int], items, deps, params, outs, plot_ax
 def spec(params: Params) -> dict:
     n = params.evolve.iterations
     loop = list(range(1, n + 1))
+    code = code_deps
     stages = {
-        "experts": _stage(
-            "qevolve run experts", [f"{SRC}/stages/experts.py", f"{SRC}/envs"], ["env", "experts"], [str(paths.EXPERTS)],
-            str(paths.metrics("experts")),
-        ),
+        "experts": _stage("qevolve run experts", code("experts"), ["env", "experts"], [str(paths.EXPERTS)], str(paths.metrics("experts"))),
         "base": _stage(
-            "qevolve run base", [f"{SRC}/stages/base.py", f"{SRC}/models/base.py", f"{SRC}/models/device.py", str(paths.EXPERTS)],
-            ["model.base", "model.embedded", "model.context_tokens"], [str(paths.BASE)], str(paths.metrics("base")),
+            "qevolve run base", [*code("base"), str(paths.EXPERTS)],
+            ["env.name", "model.base", "model.embedded", "model.context_tokens"], [str(paths.BASE)], str(paths.metrics("base")),
         ),
         "bc": _stage(
-            "qevolve run bc",
-            [f"{SRC}/stages/bc.py", f"{SRC}/stages/training.py", *MODEL_CODE, f"{SRC}/models/prompt.py", f"{SRC}/algos/losses.py", str(paths.BASE), str(paths.EXPERTS)],
-            [*MODEL_PARAMS, "prompt", "bc"], [str(paths.BC)], str(paths.metrics("bc")),
-            {str(paths.curve("bc")): {"x": "step", "y": "loss", "cache": False}},
+            "qevolve run bc", [*code("bc"), str(paths.BASE), str(paths.EXPERTS)], ["env", *MODEL_PARAMS, "prompt", "bc"], [str(paths.BC)],
+            str(paths.metrics("bc")), {str(paths.curve("bc")): {"x": "step", "y": "loss", "cache": False}},
         ),
     }
     policy = lambda k: str(paths.policy(k))  # noqa: E731
@@ -69,48 +112,40 @@ def spec(params: Params) -> dict:
     if n and method == "grpo":
         stages["online"] = _family(
             "online", loop, lambda k: {"policy": policy(k - 1), "steps_before": str(paths.env_steps_before(k - 1, method))},
-            [f"{SRC}/stages/online.py", f"{SRC}/stages/policy.py", *ACTING, f"{SRC}/algos/rl.py", f"{SRC}/stages/training.py", str(paths.BASE),
-             "${item.policy}", "${item.steps_before}"],
+            [*code("online"), str(paths.BASE), "${item.policy}", "${item.steps_before}"],
             [*ACTING_PARAMS, "policy", "online"], ["models/policy@${key}"], ("round", "success_rate"),
         )
     if n and method == "qevolve":
         stages["collect"] = _family(
             "collect", loop, lambda k: {"policy": policy(k - 1), "steps_before": str(paths.env_steps_before(k - 1))},
-            [f"{SRC}/stages/collect.py", *ACTING, str(paths.BASE), "${item.policy}", "${item.steps_before}"],
+            [*code("collect"), str(paths.BASE), "${item.policy}", "${item.steps_before}"],
             [*ACTING_PARAMS, "policy.temperature", "collect"], ["data/collect@${key}"],
         )
         stages["relabel"] = _family(
-            "relabel", loop, lambda k: {}, [f"{SRC}/stages/relabel.py", f"{SRC}/algos/relabel.py", str(paths.EXPERTS), "data/collect@${key}"],
-            ["relabel"], ["data/relabel@${key}"],
+            "relabel", loop, lambda k: {}, [*code("relabel"), str(paths.EXPERTS), "data/collect@${key}"], ["env", "relabel"], ["data/relabel@${key}"],
         )
         stages["critic"] = _family(
-            "critic", loop, lambda k: {"policy": policy(k - 1)},
-            [f"{SRC}/stages/critic.py", f"{SRC}/models/critic.py", *MODEL_CODE, f"{SRC}/algos/rl.py", f"{SRC}/stages/training.py", f"{SRC}/models/prompt.py", str(paths.BASE), "${item.policy}",
-             "data/relabel@${key}"],
-            [*MODEL_PARAMS, "critic"], ["models/critic@${key}"], ("step", "loss"),
+            "critic", loop, lambda k: {"policy": policy(k - 1)}, [*code("critic"), str(paths.BASE), "${item.policy}", "data/relabel@${key}"],
+            [*MODEL_PARAMS, *BUILDER_PARAMS, "critic"], ["models/critic@${key}"], ("step", "loss"),
         )
         stages["advantage"] = _family(
-            "advantage", loop, lambda k: {},
-            [f"{SRC}/stages/advantage.py", f"{SRC}/stages/critic.py", f"{SRC}/models/critic.py", *MODEL_CODE, f"{SRC}/algos/rl.py", str(paths.BASE), "models/critic@${key}",
-             "data/relabel@${key}"],
-            [*MODEL_PARAMS, "critic.micro_batch_size", "advantage"], ["data/advantage@${key}"], ("advantage", "count"),
+            "advantage", loop, lambda k: {}, [*code("advantage"), str(paths.BASE), "models/critic@${key}", "data/relabel@${key}"],
+            [*MODEL_PARAMS, *BUILDER_PARAMS, "critic.micro_batch_size", "advantage"], ["data/advantage@${key}"], ("advantage", "count"),
         )
         stages["policy"] = _family(
             "policy", loop, lambda k: {"previous": policy(k - 1)},
-            [f"{SRC}/stages/policy.py", f"{SRC}/algos/rl.py", f"{SRC}/algos/losses.py", f"{SRC}/stages/training.py", *MODEL_CODE, f"{SRC}/models/prompt.py",
-             str(paths.BASE), "${item.previous}", str(paths.BC), "data/relabel@${key}", "data/advantage@${key}"],
-            [*MODEL_PARAMS, "policy"], ["models/policy@${key}"], ("step", "loss"),
+            [*code("policy"), str(paths.BASE), "${item.previous}", str(paths.BC), "data/relabel@${key}", "data/advantage@${key}"],
+            [*MODEL_PARAMS, *BUILDER_PARAMS, "policy"], ["models/policy@${key}"], ("step", "loss"),
         )
     if n and params.rerank.best_of:
         stages["rerank"] = _family(
             "rerank", loop, lambda k: {"policy": policy(k - 1), "steps_before": str(paths.env_steps_before(k))},
-            [f"{SRC}/stages/rerank.py", f"{SRC}/stages/evaluate.py", f"{SRC}/models/critic.py", *ACTING, str(paths.BASE), "${item.policy}", "models/critic@${key}",
-             "${item.steps_before}"],
+            [*code("rerank"), str(paths.BASE), "${item.policy}", "models/critic@${key}", "${item.steps_before}"],
             [*ACTING_PARAMS, "critic.micro_batch_size", "evaluate", "rerank"], ["data/rerank@${key}"],
         )
     stages["evaluate"] = _family(
         "evaluate", [0, *loop], lambda k: {"policy": policy(k), "steps_before": str(paths.env_steps_before(k, method))},
-        [f"{SRC}/stages/evaluate.py", *ACTING, str(paths.BASE), "${item.policy}", "${item.steps_before}"],
+        [*code("evaluate"), str(paths.BASE), "${item.policy}", "${item.steps_before}"],
         [*ACTING_PARAMS, "evaluate"], ["data/evaluate@${key}"],
     )
     return {"stages": stages}

@@ -57,7 +57,9 @@ def load_policy(base_dir: Path | str, cfg: ModelConfig, adapter: Path | str | No
     logits change by float rounding only."""
     from peft import PeftModel
 
-    model, tok = load_base(base_dir, cfg.dtype, cfg.device)
+    # Embeddings trained in full (the embedded base) keep float32: AdamW steps on bfloat16 weights round away.
+    dtype = "float32" if cfg.dtype == "auto" and cfg.lora.train_embeddings else cfg.dtype
+    model, tok = load_base(base_dir, dtype, cfg.device)
     if adapter is None:
         return lora_model(model, cfg), tok
     model = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
