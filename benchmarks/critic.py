@@ -1,6 +1,6 @@
 """Critic encoding: one forward pass per trajectory window against one forward pass per step.
 
-The one-pass critic (`qevolve.stages.critic.critic_values`) reads V(s_t) and Q(s_t, a_t) for every step
+The one-pass critic (`qevolve.models.critic.critic_values`) reads V(s_t) and Q(s_t, a_t) for every step
 of a window at the turn boundaries of a single pass. The baseline, as the published repositories do it,
 encodes each step's own prefix (history up to action t) separately. The trajectories are 20-step
 episodes sampled from the workspace's trained policy on train games; the benchmark fails if any value
@@ -21,8 +21,8 @@ import torch
 
 from benchmarks import workspace_params
 
-from qevolve.stages.critic import CriticItem, read_positions
-from qevolve.stages.training import pad_ids
+from qevolve.models.critic import CriticItem, read_positions
+from qevolve.training import pad_ids
 
 
 @torch.no_grad()
@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     from qevolve.envs import make_env, select_tasks
     from qevolve.models.critic import load_critic
     from qevolve.models.policy import Actor
-    from qevolve.stages.bc import make_builder
-    from qevolve.stages.critic import critic_items, critic_values
-    from qevolve.stages.rollout import play
+    from qevolve.models.prompt import make_builder
+    from qevolve.models.critic import critic_items, critic_values
+    from qevolve.rollout import play
 
     ws = args.workspace
     params = workspace_params(ws)

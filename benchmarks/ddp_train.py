@@ -14,7 +14,7 @@ from qevolve.config import BCConfig, ModelConfig
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PromptBuilder
 from qevolve.stages.bc import bc_step
-from qevolve.stages.training import is_main, process_group, train
+from qevolve.training import is_main, process_group, train
 
 # 3 micro-batches per optimiser step: under 2 processes, rank 0 runs two of them and rank 1 one.
 CFG = BCConfig(epochs=2, lr=5e-3, batch_size=3, micro_batch_size=1, warmup_ratio=0.2)

@@ -35,8 +35,8 @@ def value_auc(params, ws: Path, critic_dir: Path, trajs: list) -> tuple[float, f
     import torch
 
     from qevolve.models.critic import load_critic
-    from qevolve.stages.bc import make_builder
-    from qevolve.stages.critic import critic_items, critic_values
+    from qevolve.models.prompt import make_builder
+    from qevolve.models.critic import critic_items, critic_values
 
     torch.manual_seed(0)
     model, tok = load_critic(ws / "models/base", params.model, critic_dir)
@@ -52,7 +52,7 @@ def value_auc(params, ws: Path, critic_dir: Path, trajs: list) -> tuple[float, f
 
 def main(argv: list[str] | None = None) -> int:
     from qevolve.data.store import read_store
-    from qevolve.stages.advantage import read_advantages
+    from qevolve.data.advantages import read_advantages
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workspace", type=Path)

@@ -125,7 +125,11 @@ def pipeline(device: torch.device, scale: str) -> dict:
     for trainer in ("critic", "policy"):
         params[trainer]["epochs"] = 1
     params["env"]["max_steps"] = 6 if small else 20
-    ws = Path(tempfile.mkdtemp(prefix="qevolve-gpu-check-"))
+    with tempfile.TemporaryDirectory(prefix="qevolve-gpu-check-") as tmp:
+        return run_stages(Path(tmp), params, device)
+
+
+def run_stages(ws: Path, params: dict, device: torch.device) -> dict:
     (ws / "params.yaml").write_text(yaml.safe_dump(params))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]), "QEVOLVE_DEVICE": str(device)}
     cli = [sys.executable, "-m", "qevolve.cli"]
@@ -136,12 +140,12 @@ def pipeline(device: torch.device, scale: str) -> dict:
         start = time.perf_counter()
         done = subprocess.run([*cli, "run", stage, *(["--iteration", str(k)] if k is not None else [])], cwd=ws, env=env, capture_output=True, text=True)
         if done.returncode != 0:
-            return {"workspace": str(ws), "stages": stages, "failed": name, "error": done.stderr[-2000:]}
+            return {"stages": stages, "failed": name, "error": done.stderr[-2000:]}
         metrics = json.loads((ws / "metrics" / f"{name}.json").read_text())
         flat = metrics.get("test", metrics)
         stages[name] = {"seconds": round(time.perf_counter() - start, 1), "device": flat.get("device", ""),
                         **{key: flat[key] for key in ("success_rate", "peak_gpu_memory_gb") if key in flat}}
-    return {"workspace": str(ws), "stages": stages}
+    return {"stages": stages}
 
 
 def throughput(device: torch.device, shape: str, peak_tflops: float) -> dict:

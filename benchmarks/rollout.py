@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from qevolve.envs import make_env, select_tasks
     from qevolve.models.policy import Actor, load_policy
-    from qevolve.stages.bc import make_builder
-    from qevolve.stages.rollout import play
+    from qevolve.models.prompt import make_builder
+    from qevolve.rollout import play
 
     ws = args.workspace
     params = workspace_params(ws)

@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     from qevolve.data.store import read_store
     from qevolve.models.policy import load_policy
     from qevolve.models.prompt import PromptBuilder
-    from qevolve.stages.bc import bc_step, build_examples
+    from qevolve.models.prompt import build_examples
+    from qevolve.stages.bc import bc_step
 
     ws = args.workspace
     params = workspace_params(ws, ("models/base", "data/experts"))

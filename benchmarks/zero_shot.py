@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from qevolve.models.policy import Actor, load_policy
     from qevolve.models.prompt import INTRODUCTIONS, PromptBuilder
-    from qevolve.stages.evaluate import play_splits
+    from qevolve.rollout import play_splits
 
     ws = args.workspace.resolve()
     params = workspace_params(ws, needs=("models/base", "metrics/experts.json"))

@@ -17,7 +17,7 @@ from qevolve.config import Params, lineage_dump
 from qevolve.data.atomic import write_json
 from qevolve.lock import STATE_DIR
 from qevolve.data.store import read_store
-from qevolve.stages.advantage import read_advantages
+from qevolve.data.advantages import read_advantages
 
 SAMPLE_TRAJECTORIES = 4
 PLACEMENT = ("device", "dtype", "processes")

@@ -6,7 +6,7 @@ from qevolve.config import ModelConfig
 from qevolve.models.backend import HFBackend
 from qevolve.models.policy import Actor, load_policy
 from qevolve.models.prompt import PromptBuilder
-from qevolve.stages.rollout import play
+from qevolve.rollout import play
 from tests.test_rollout import Corridor
 
 MODEL = ModelConfig(lora={"r": 4, "alpha": 8})

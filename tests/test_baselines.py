@@ -17,7 +17,7 @@ from qevolve.models.policy import BestOfN, load_policy
 from qevolve.models.prompt import PromptBuilder, format_action
 from qevolve.stages import iteration_stages, pipeline, run_stage
 from qevolve.stages.online import another_round, group_advantages
-from qevolve.stages.training import pad_ids
+from qevolve.training import pad_ids
 from tests.test_env_pipelines import _tiny
 
 

@@ -8,9 +8,10 @@ from qevolve.data.store import StepRecord, Trajectory
 from qevolve.models.critic import Critic
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PromptBuilder
-from qevolve.stages.critic import critic_items, critic_step, critic_values, value_stats
-from qevolve.stages.policy import PolicyItem, policy_step, reference_pass
-from qevolve.stages.training import train
+from qevolve.models.critic import critic_items, critic_values
+from qevolve.policy_update import PolicyItem, policy_step, reference_pass
+from qevolve.stages.critic import critic_step, value_stats
+from qevolve.training import train
 
 MODEL = ModelConfig(lora={"r": 8, "alpha": 16})
 

@@ -61,6 +61,19 @@ def test_stages_do_not_import_orchestration():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_no_stage_imports_another_and_the_library_imports_no_stage():
+    """Shared machinery (prompts, training loop, rollouts, advantages) lives outside `stages/`: a stage
+    module imports no other stage, and nothing outside `stages/` but the CLI imports a stage."""
+    from qevolve.dvcfile import PACKAGE, _imports
+
+    for f in sorted(PACKAGE.rglob("*.py")):
+        module = "qevolve." + ".".join(f.relative_to(PACKAGE).with_suffix("").parts)
+        if module in ("qevolve.cli", "qevolve.stages.__init__", "qevolve.dvcfile"):
+            continue
+        stages = {m for m in _imports(f, module_level_only=False) if m.startswith("qevolve.stages") and m != module}
+        assert not stages, f"{f.relative_to(PACKAGE)} imports {sorted(stages)}"
+
+
 def test_every_module_a_stage_imports_is_one_of_its_dvc_deps():
     """dvc.yaml's code deps are computed from the imports (`dvcfile.code_deps`); this checks them against
     what importing each stage's module (and the CLI that runs it) really loads."""

@@ -6,7 +6,7 @@ from qevolve.models.policy import Actor, load_policy
 from qevolve.models.prompt import PromptBuilder
 from qevolve.config import BCConfig
 from qevolve.stages.bc import bc_step
-from qevolve.stages.training import train
+from qevolve.training import train
 
 MODEL = ModelConfig(lora={"r": 8, "alpha": 16})
 
@@ -98,7 +98,7 @@ def test_bc_step_lowers_loss_and_changes_only_the_adapter(tiny_base):
 
 
 def test_packed_bc_loss_equals_padded_loss(tiny_base):
-    from qevolve.stages.training import pack
+    from qevolve.training import pack
 
     assert sorted(map(sorted, pack([5, 3, 4, 2, 9], 9))) == [[0, 2], [1, 3], [4]]
     model, tok = load_policy(tiny_base, MODEL)
@@ -107,7 +107,7 @@ def test_packed_bc_loss_equals_padded_loss(tiny_base):
         "put some book on sidetable.", ["You are in the middle of a room.", "You arrive at desk 1."],
         ["Action: go to desk 1", "Action: take book 1 from desk 1"],
     ) + builder.training_examples("examine the book.", ["You are in a room."], ["Action: look"])
-    from qevolve.stages.training import packed_rows
+    from qevolve.training import packed_rows
 
     ids, _, pos = packed_rows([x for x, _ in examples], [m for _, m in examples], 512, tok.pad_token_id)
     assert ids.shape[0] == 1 and (pos == 0).sum() == 2  # both windows share one row

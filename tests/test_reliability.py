@@ -19,7 +19,7 @@ from qevolve.lock import WorkspaceBusy, workspace_lock
 from qevolve.models.base import ModelLoadError, load_base
 from qevolve.models.policy import Decision
 from qevolve.models.prompt import PromptBuilder
-from qevolve.stages.rollout import play
+from qevolve.rollout import play
 from tests.test_rollout import Corridor
 
 

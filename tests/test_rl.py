@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from qevolve.algos.rl import awr_loss, bppo_loss, clip_fraction, expectile_loss, gae_advantages, kl_to_reference, step_weights
+from qevolve.algos.rl import (
+    awr_loss, bppo_loss, clip_fraction, expectile_loss, gae_advantages, iql_losses, kl_to_reference, policy_loss, step_weights,
+)
 
 
 def close(a, b, tol=1e-6):
@@ -110,3 +112,35 @@ def test_relabel_rules_first_match_wins():
     assert relabel_step("open door", False, "a", "Nothing happens.", cfg) == (-0.2, "rejected")
     assert relabel_step("look", True, "You are in a room.", "You are in  a room.\n", cfg) == (-0.1, "unchanged")
     assert relabel_step("go to desk 1", True, "a", "You arrive at desk 1.", cfg) == (0.0, "")
+
+
+def test_iql_losses():
+    # V: diff = Q_target - V = [1, -1]; expectile terms (tau .7) [.7 * 1, .3 * 1]; weighted [.7, .15]; / 1.5 = .566667.
+    # Q: TD target = [0 + .9 * 1 * 3, 1 + .9 * 0 * 5] = [2.7, 1]; squared errors [1.2^2, 0] = [1.44, 0]; / 1.5 = .96.
+    v_s = torch.tensor([1.0, 2.0], requires_grad=True)
+    q_sa = torch.tensor([1.5, 1.0], requires_grad=True)
+    q_target = torch.tensor([2.0, 1.0], requires_grad=True)
+    v_next = torch.tensor([3.0, 5.0], requires_grad=True)
+    v_loss, q_loss = iql_losses(v_s, q_sa, q_target, v_next, torch.tensor([0.0, 1.0]), torch.tensor([1.0, 0.0]),
+                                torch.tensor([1.0, 0.5]), gamma=0.9, tau=0.7, norm=1.5)
+    assert close(v_loss, 0.85 / 1.5) and close(q_loss, 0.96)
+    (v_loss + q_loss).backward()
+    assert q_target.grad is None and v_next.grad is None  # targets get no gradient
+    # dV: -2 * w * |tau - 1[diff<0]| * diff / norm = [-2 * .7 * 1, -2 * .5 * .3 * -1] / 1.5 = [-.933333, .2]
+    assert close(v_s.grad, [-1.4 / 1.5, 0.3 / 1.5])
+
+
+def test_policy_loss_compositions():
+    # Ratios [1.5, .5], A = [1, -1], clip [.8, 1.1]: min(1.5, 1.1) = 1.1, min(-.5, -.8) = -.8; PG = -(1.1 - .8)/2 = -.15.
+    # KL: one token, new .5 against ref .25: r = 2, k3 = 2 - 1 - ln 2 = .306853.
+    # loss = .5 * -.15 + .1 * .25 * .306853 = -.075 + .007671 = -.067329.
+    logp_new = torch.log(torch.tensor([1.5, 0.5]))
+    args = (logp_new, torch.zeros(2), torch.tensor([1.0, -1.0]), torch.log(torch.tensor([0.5])), torch.log(torch.tensor([0.25])))
+    common = dict(clip_low=0.2, clip_high=0.1, kl_coef=0.1, awr_beta=1.0, awr_max_weight=20.0, step_share=0.5, token_share=0.25)
+    loss, pg, kl = policy_loss(*args, algo="bppo", **common)
+    assert close(pg, -0.15) and close(kl, 2 - 1 - math.log(2)) and close(loss, -0.075 + 0.1 * 0.25 * (1 - math.log(2)))
+    # AWR: weights e^1, e^-1; PG = -(e * ln 1.5 + e^-1 * ln .5) / 2 = -(1.102170 - .254995) / 2 = -.423588.
+    loss, pg, _ = policy_loss(*args, algo="awr", **common)
+    assert close(pg, -0.423588, tol=1e-5) and close(loss, 0.5 * pg + 0.1 * 0.25 * (1 - math.log(2)))
+    with pytest.raises(ValueError, match="unknown algo"):
+        policy_loss(*args, algo="ppo", **common)

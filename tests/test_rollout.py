@@ -4,7 +4,7 @@ from qevolve.config import ModelConfig
 from qevolve.envs.base import Observation, Step, Task
 from qevolve.models.policy import Actor, load_policy
 from qevolve.models.prompt import PromptBuilder
-from qevolve.stages.rollout import play
+from qevolve.rollout import play
 
 
 class Corridor:

@@ -38,7 +38,7 @@ def test_smollm2_loads_from_its_gguf_file_once_and_trains(tmp_path, monkeypatch)
     from qevolve.models.policy import load_policy
     from qevolve.models.prompt import PromptBuilder
     from qevolve.stages.bc import bc_step
-    from qevolve.stages.training import train
+    from qevolve.training import train
 
     monkeypatch.setenv("QEVOLVE_MODEL_CACHE", str(tmp_path / "cache"))
     base = tmp_path / "base"

@@ -8,7 +8,7 @@ from qevolve.config import BCConfig, ModelConfig
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PromptBuilder
 from qevolve.stages.bc import bc_step
-from qevolve.stages.training import input_digest, train
+from qevolve.training import input_digest, train
 
 CFG = BCConfig(epochs=3, lr=5e-3, batch_size=2, micro_batch_size=1, warmup_ratio=0.2, checkpoint_every=2)
 

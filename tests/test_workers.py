@@ -10,7 +10,7 @@ from qevolve.envs import make_env
 from qevolve.envs.base import Task
 from qevolve.envs.worker import EnvWorkerError
 from qevolve.models.prompt import PromptBuilder
-from qevolve.stages.rollout import play
+from qevolve.rollout import play
 from tests.test_reliability import ScriptedActor
 
 CFG = EnvConfig(name="textcraft", step_timeout=3, start_timeout=120)

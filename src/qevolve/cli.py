@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         print(err, file=sys.stderr)
         return 2
     from qevolve.models.device import DeviceError
-    from qevolve.stages.training import process_group
+    from qevolve.training import process_group
 
     try:
         with workspace_lock(args.params.parent, f"stage {args.stage}"), process_group(params.model.device):

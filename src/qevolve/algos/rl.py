@@ -21,6 +21,21 @@ def weighted_expectile(diff: torch.Tensor, tau: float) -> torch.Tensor:
     return weight * diff.pow(2)
 
 
+def iql_losses(
+    v_s: torch.Tensor, q_sa: torch.Tensor, q_target: torch.Tensor, v_next: torch.Tensor, rewards: torch.Tensor,
+    not_done: torch.Tensor, weights: torch.Tensor, gamma: float, tau: float, norm: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted IQL losses over a batch of steps (every argument 1-D, one entry per step):
+    V(s) by expectile regression towards the slow target Q(s, a), and Q(s, a) by TD regression towards
+    r + gamma * V(s') (no bootstrap after a terminal step, `not_done` = 0). The targets get no gradient.
+    Each is the weighted sum over the steps divided by `norm` (the weights' sum over the whole
+    optimiser batch, so that micro-batches add up to its mean)."""
+    v_loss = (weights * weighted_expectile(q_target.detach() - v_s, tau)).sum() / norm
+    td_target = rewards + gamma * not_done * v_next.detach()
+    q_loss = (weights * (td_target - q_sa).pow(2)).sum() / norm
+    return v_loss, q_loss
+
+
 def step_weights(T: int, success: bool, progress: float = 0.5, floor: float = 0.5) -> torch.Tensor:
     """Per-step IQL weights w_t = progress * (t/T + d) + floor for t = 1..T, with d = 1 on success.
 
@@ -78,6 +93,27 @@ def awr_loss(logp_new: torch.Tensor, advantages: torch.Tensor, beta: float, max_
     so AWR can only pull probability towards actions, never push it away (the ablation to BPPO)."""
     weights = torch.exp(advantages / beta).clamp(max=max_weight)
     return -(weights.detach() * logp_new).mean()
+
+
+def policy_loss(
+    logp_new: torch.Tensor, logp_behavior: torch.Tensor, advantages: torch.Tensor, token_logp_new: torch.Tensor,
+    token_logp_ref: torch.Tensor, *, algo: str, clip_low: float, clip_high: float, kl_coef: float, awr_beta: float,
+    awr_max_weight: float, step_share: float, token_share: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A micro-batch's share of the policy update's loss: (loss, policy-gradient term, KL term).
+
+    loss = step_share * PG + kl_coef * token_share * KL, PG being `bppo_loss` (Q-Evolve) or `awr_loss`
+    (the ablation) over the micro-batch's action steps and KL `kl_to_reference` over their tokens;
+    `step_share` and `token_share` are the micro-batch's shares of the optimiser batch's steps and
+    tokens, so the micro-batches' losses add up to the batch's mean over steps and over tokens."""
+    if algo == "bppo":
+        pg = bppo_loss(logp_new, logp_behavior, advantages, clip_low, clip_high)
+    elif algo == "awr":
+        pg = awr_loss(logp_new, advantages, awr_beta, awr_max_weight)
+    else:
+        raise ValueError(f"policy_loss: unknown algo {algo!r}; expected bppo or awr")
+    kl = kl_to_reference(token_logp_new, token_logp_ref)
+    return pg * step_share + kl_coef * kl * token_share, pg, kl
 
 
 def kl_to_reference(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:

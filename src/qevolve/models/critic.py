@@ -9,14 +9,20 @@ same backbone features, so keeping it costs one linear layer rather than a secon
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from qevolve.algos.rl import step_weights
 from qevolve.config import ModelConfig
+from qevolve.data.store import Trajectory
 from qevolve.models.base import causal_lm
+from qevolve.models.device import model_device
 from qevolve.models.policy import load_policy
+from qevolve.models.prompt import PromptBuilder, Window
+from qevolve.training import pad_ids
 
 HEADS_FILE = "heads.safetensors"
 
@@ -69,3 +75,59 @@ def load_critic(base_dir: Path, cfg: ModelConfig, adapter: Path, trainable: bool
         for name in ("v", "q", "q_target"):
             getattr(critic, name).load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith(name + ".")})
     return critic, tok
+
+
+@dataclass
+class CriticItem:
+    """One window of one trajectory, with the per-step quantities the critic's losses need."""
+
+    traj: int
+    """Index of the trajectory in the dataset."""
+    window: Window
+    rewards: torch.Tensor
+    """Per step of the trajectory: environment reward plus auxiliary reward."""
+    weights: torch.Tensor
+    done: bool
+    """Whether the trajectory ended in a terminal state (no bootstrap after its last step)."""
+
+
+def trajectory_windows(builder: PromptBuilder, t: Trajectory) -> list[Window]:
+    """Windows over all steps plus the final observation, each with its next state (see `windows`)."""
+    observations = [s.observation for s in t.steps] + [t.steps[-1].next_observation]
+    return builder.windows(t.instruction, observations, [s.output for s in t.steps], lookahead=True)
+
+
+def critic_items(builder: PromptBuilder, trajs: list[Trajectory], weighted: bool) -> list[CriticItem]:
+    items = []
+    for i, t in enumerate(trajs):
+        if not t.steps:
+            continue
+        rewards = torch.tensor([s.reward + s.aux_reward for s in t.steps])  # aux rewards enter the critic's targets
+        T = len(t.steps)
+        weights = step_weights(T, t.won) if weighted else torch.ones(T)
+        # A window holding only the final observation adds nothing: the previous window's lookahead has it.
+        windows = [w for w in trajectory_windows(builder, t) if any(b > a for _, _, a, b in w.steps)]
+        items += [CriticItem(i, w, rewards, weights, t.steps[-1].done) for w in windows]
+    return items
+
+
+def read_positions(item: CriticItem) -> dict[int, tuple[int, int]]:
+    """step -> (position of V(s_step), position of Q(s_step, a_step), or -1 for a state without action)."""
+    return {step: (obs_end, act_end - 1 if act_end > act_start else -1) for step, obs_end, act_start, act_end in item.window.steps}
+
+
+@torch.no_grad()
+def critic_values(critic: Critic, items: list[CriticItem], pad_id: int, batch_size: int) -> dict[int, dict[int, tuple[float, float]]]:
+    """trajectory index -> step -> (V(s_step), Q(s_step, a_step) or NaN), read in each step's own window."""
+    critic.eval()
+    out: dict[int, dict[int, tuple[float, float]]] = {}
+    for i in range(0, len(items), batch_size):
+        mb = items[i : i + batch_size]
+        ids, attn = pad_ids([it.window.ids for it in mb], pad_id, model_device(critic))
+        v, q = (x.cpu() for x in critic(ids, attn)[:2])
+        for b, it in enumerate(mb):
+            values = out.setdefault(it.traj, {})
+            for step, (vp, qp) in read_positions(it).items():
+                if qp >= 0 or step not in values:  # a lookahead state is read in its own window when it has one
+                    values[step] = (float(v[b, vp]), float(q[b, qp]) if qp >= 0 else float("nan"))
+    return out

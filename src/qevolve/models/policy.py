@@ -149,7 +149,7 @@ class BestOfN(Actor):
     @torch.no_grad()
     def q_values(self, seqs: list[list[int]]) -> list[float]:
         """The critic's Q at the last token of each sequence (a prompt followed by one action turn)."""
-        from qevolve.stages.training import pad_ids
+        from qevolve.training import pad_ids
 
         out = []
         for i in range(0, len(seqs), self.batch_size):

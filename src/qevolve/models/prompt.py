@@ -9,9 +9,16 @@ own chat template, so a Hugging Face chat model sees the format it was trained o
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qevolve.config import Params
+    from qevolve.data.store import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -211,3 +218,20 @@ class Window:
         self.mask += [0] * len(user) + [int(trained)] * len(assistant)
         if trained:
             self.steps.append((step, obs_end, obs_end + 1, len(self.ids)))
+
+
+PROMPT_FILE = "prompt.json"  # saved beside the adapter so acting uses the prompt BC trained with
+
+
+def make_builder(params: Params, tokenizer, policy_dir: Path) -> PromptBuilder:
+    saved = json.loads((policy_dir / PROMPT_FILE).read_text())
+    return PromptBuilder(tokenizer, params.model.context_tokens, saved["one_shot"], saved["repeat_task"], params.prompt.max_observation_tokens,
+                         saved.get("intro", INSTRUCTION))
+
+
+def build_examples(builder: PromptBuilder, trajs: list[Trajectory]) -> list[tuple[list[int], list[int]]]:
+    examples = []
+    for t in trajs:
+        observations = [s.observation for s in t.steps]
+        examples += builder.training_examples(t.instruction, observations, [format_action(s.action) for s in t.steps])
+    return examples

@@ -15,37 +15,11 @@ import torch
 from qevolve.algos.rl import gae_advantages
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
-from qevolve.data.store import SchemaError, read_store
-from qevolve.models.critic import load_critic
+from qevolve.data.advantages import ADVANTAGES_FILE, SCHEMA
+from qevolve.data.store import read_store
+from qevolve.models.critic import critic_items, critic_values, load_critic
 from qevolve.models.device import placement
-from qevolve.stages.bc import make_builder
-from qevolve.stages.critic import critic_items, critic_values
-
-ADVANTAGES_FILE = "advantages.parquet"
-_SCHEMA = pa.schema(
-    [
-        ("trajectory_id", pa.string()),
-        ("step", pa.int32()),
-        ("source", pa.string()),
-        ("value", pa.float64()),
-        ("q", pa.float64()),
-        ("advantage", pa.float64()),
-        ("raw_advantage", pa.float64()),
-    ]
-)
-
-
-def read_advantages(folder: Path) -> dict[tuple[str, int], float]:
-    """(trajectory id, step) -> advantage, as the policy stage reads it."""
-    path = Path(folder) / ADVANTAGES_FILE
-    if not path.exists():
-        raise SchemaError(f"{path}: missing (expected the advantage stage's output)")
-    names = pq.read_schema(path).names
-    for col in ("trajectory_id", "step", "advantage"):
-        if col not in names:
-            raise SchemaError(f"{path}: missing column {col!r}")
-    table = pq.read_table(path, columns=["trajectory_id", "step", "advantage"]).to_pylist()
-    return {(r["trajectory_id"], r["step"]): r["advantage"] for r in table}
+from qevolve.models.prompt import make_builder
 
 
 def histogram(values: list[float], bins: int = 20) -> list[dict]:
@@ -88,7 +62,7 @@ def advantage(params: Params, base_dir: Path, critic_dir: Path, data_dir: Path, 
     for r in rows:
         r["advantage"] = (r["raw_advantage"] - mean) / (std + 1e-8) if cfg.normalize else r["raw_advantage"]
     with atomic_dir(out) as tmp:
-        pq.write_table(pa.Table.from_pylist(rows, schema=_SCHEMA), tmp / ADVANTAGES_FILE)
+        pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp / ADVANTAGES_FILE)
     by_source: dict[str, list[float]] = {}
     for r in rows:
         by_source.setdefault("expert" if r["source"] == "expert" else "self", []).append(r["raw_advantage"])

@@ -13,11 +13,9 @@ from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import Trajectory, read_store
 from qevolve.envs import check_tasks, make_env
 from qevolve.models.policy import load_policy
-from qevolve.models.prompt import INSTRUCTION, INTRODUCTIONS, PromptBuilder, format_action
+from qevolve.models.prompt import INTRODUCTIONS, PROMPT_FILE, PromptBuilder, build_examples
 from qevolve.models.device import model_device, placement
-from qevolve.stages.training import checkpoint_path, input_digest, is_main, last_epoch_mean, local_share, packed_rows, pad_ids, train
-
-PROMPT_FILE = "prompt.json"  # saved beside the adapter so acting uses the prompt BC trained with
+from qevolve.training import checkpoint_path, input_digest, is_main, last_epoch_mean, local_share, packed_rows, pad_ids, train
 
 
 def one_shot_text(trajs: list[Trajectory]) -> str:
@@ -27,20 +25,6 @@ def one_shot_text(trajs: list[Trajectory]) -> str:
     for s in t.steps:
         lines += [s.output, s.next_observation]
     return "\n".join(lines)
-
-
-def make_builder(params: Params, tokenizer, policy_dir: Path) -> PromptBuilder:
-    saved = json.loads((policy_dir / PROMPT_FILE).read_text())
-    return PromptBuilder(tokenizer, params.model.context_tokens, saved["one_shot"], saved["repeat_task"], params.prompt.max_observation_tokens,
-                         saved.get("intro", INSTRUCTION))
-
-
-def build_examples(builder: PromptBuilder, trajs: list[Trajectory]) -> list[tuple[list[int], list[int]]]:
-    examples = []
-    for t in trajs:
-        observations = [s.observation for s in t.steps]
-        examples += builder.training_examples(t.instruction, observations, [format_action(s.action) for s in t.steps])
-    return examples
 
 
 def bc_step(model, micro: list[list[tuple[list[int], list[int]]]], pad_id: int, pack_tokens: int = 0) -> dict:

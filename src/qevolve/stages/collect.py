@@ -14,8 +14,8 @@ from qevolve.envs import make_env, select_tasks
 from qevolve.envs.base import check_env_failures, env_failures
 from qevolve.models.device import placement
 from qevolve.models.policy import Actor, load_policy
-from qevolve.stages.bc import make_builder
-from qevolve.stages.rollout import play_in
+from qevolve.models.prompt import make_builder
+from qevolve.rollout import play_in
 
 
 def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics_path: Path, iteration: int, previous_metrics: Path) -> dict:

@@ -7,60 +7,19 @@ r + aux + gamma * V(s'); both weighted per step by `step_weights` (Q-Evolve's we
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from qevolve.algos.rl import step_weights, weighted_expectile
+from qevolve.algos.rl import iql_losses
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import Trajectory, read_store
-from qevolve.models.critic import Critic, load_critic
+from qevolve.models.critic import Critic, CriticItem, critic_items, critic_values, load_critic, read_positions
 from qevolve.models.policy import load_policy
-from qevolve.models.prompt import PromptBuilder, Window
-from qevolve.stages.bc import PROMPT_FILE, make_builder
+from qevolve.models.prompt import PROMPT_FILE, make_builder
 from qevolve.models.device import model_device, placement
-from qevolve.stages.training import checkpoint_path, input_digest, is_main, last_epoch_mean, local_share, pad_ids, train
-
-
-@dataclass
-class CriticItem:
-    """One window of one trajectory, with the per-step quantities the critic's losses need."""
-
-    traj: int
-    """Index of the trajectory in the dataset."""
-    window: Window
-    rewards: torch.Tensor
-    """Per step of the trajectory: environment reward plus auxiliary reward."""
-    weights: torch.Tensor
-    done: bool
-    """Whether the trajectory ended in a terminal state (no bootstrap after its last step)."""
-
-
-def trajectory_windows(builder: PromptBuilder, t: Trajectory) -> list[Window]:
-    """Windows over all steps plus the final observation, each with its next state (see `windows`)."""
-    observations = [s.observation for s in t.steps] + [t.steps[-1].next_observation]
-    return builder.windows(t.instruction, observations, [s.output for s in t.steps], lookahead=True)
-
-
-def critic_items(builder: PromptBuilder, trajs: list[Trajectory], weighted: bool) -> list[CriticItem]:
-    items = []
-    for i, t in enumerate(trajs):
-        if not t.steps:
-            continue
-        rewards = torch.tensor([s.reward + s.aux_reward for s in t.steps])  # aux rewards enter the critic's targets
-        T = len(t.steps)
-        weights = step_weights(T, t.won) if weighted else torch.ones(T)
-        # A window holding only the final observation adds nothing: the previous window's lookahead has it.
-        windows = [w for w in trajectory_windows(builder, t) if any(b > a for _, _, a, b in w.steps)]
-        items += [CriticItem(i, w, rewards, weights, t.steps[-1].done) for w in windows]
-    return items
-
-
-def read_positions(item: CriticItem) -> dict[int, tuple[int, int]]:
-    """step -> (position of V(s_step), position of Q(s_step, a_step), or -1 for a state without action)."""
-    return {step: (obs_end, act_end - 1 if act_end > act_start else -1) for step, obs_end, act_start, act_end in item.window.steps}
+from qevolve.training import checkpoint_path, input_digest, is_main, last_epoch_mean, local_share, pad_ids, train
 
 
 def critic_step(critic: Critic, micro: list[list[CriticItem]], gamma: float, tau: float, pad_id: int) -> dict:
@@ -86,37 +45,17 @@ def critic_step(critic: Critic, micro: list[list[CriticItem]], gamma: float, tau
                 notdone.append(0.0 if (step == T - 1 and it.done) else 1.0)
                 w.append(float(it.weights[step]))
         index = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        values = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
         rows_t, q_pos_t = index(rows), index(q_pos)
-        v_s = v[rows_t, index(v_pos)]
-        q_sa = q[rows_t, q_pos_t]
-        q_tgt = q_target[rows_t, q_pos_t].detach()
-        v_next = v[rows_t, index(next_pos)].detach()
-        w_t = torch.tensor(w, device=device)
-        td_target = torch.tensor(r, device=device) + gamma * torch.tensor(notdone, device=device) * v_next
-        v_loss = (w_t * weighted_expectile(q_tgt - v_s, tau)).sum() / n_weight
-        q_loss = (w_t * (td_target - q_sa).pow(2)).sum() / n_weight
+        v_loss, q_loss = iql_losses(
+            v[rows_t, index(v_pos)], q[rows_t, q_pos_t], q_target[rows_t, q_pos_t], v[rows_t, index(next_pos)],
+            values(r), values(notdone), values(w), gamma, tau, n_weight,
+        )
         (v_loss + q_loss).backward()
         sums["v_loss"] += v_loss.item()
         sums["q_loss"] += q_loss.item()
         sums["loss"] += v_loss.item() + q_loss.item()
     return sums
-
-
-@torch.no_grad()
-def critic_values(critic: Critic, items: list[CriticItem], pad_id: int, batch_size: int) -> dict[int, dict[int, tuple[float, float]]]:
-    """trajectory index -> step -> (V(s_step), Q(s_step, a_step) or NaN), read in each step's own window."""
-    critic.eval()
-    out: dict[int, dict[int, tuple[float, float]]] = {}
-    for i in range(0, len(items), batch_size):
-        mb = items[i : i + batch_size]
-        ids, attn = pad_ids([it.window.ids for it in mb], pad_id, model_device(critic))
-        v, q = (x.cpu() for x in critic(ids, attn)[:2])
-        for b, it in enumerate(mb):
-            values = out.setdefault(it.traj, {})
-            for step, (vp, qp) in read_positions(it).items():
-                if qp >= 0 or step not in values:  # a lookahead state is read in its own window when it has one
-                    values[step] = (float(v[b, vp]), float(q[b, qp]) if qp >= 0 else float("nan"))
-    return out
 
 
 def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, out: Path, metrics_path: Path, curve_path: Path) -> dict:

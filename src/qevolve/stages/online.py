@@ -26,10 +26,10 @@ from qevolve.envs import make_env, select_tasks
 from qevolve.envs.base import check_env_failures
 from qevolve.models.device import placement
 from qevolve.models.policy import Actor, load_policy
-from qevolve.stages.bc import PROMPT_FILE, make_builder
-from qevolve.stages.policy import policy_items, policy_step, reference_pass
-from qevolve.stages.rollout import play_in
-from qevolve.stages.training import changing_tensors, checkpoint_path, fingerprint, input_digest, train
+from qevolve.models.prompt import PROMPT_FILE, make_builder
+from qevolve.policy_update import policy_items, policy_step, reference_pass
+from qevolve.rollout import play_in
+from qevolve.training import changing_tensors, checkpoint_path, fingerprint, input_digest, train
 
 log = logging.getLogger(__name__)
 

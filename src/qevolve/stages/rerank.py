@@ -13,8 +13,8 @@ import torch
 from qevolve.config import Params
 from qevolve.models.critic import load_critic
 from qevolve.models.policy import BestOfN, load_policy
-from qevolve.stages.bc import make_builder
-from qevolve.stages.evaluate import play_splits
+from qevolve.models.prompt import make_builder
+from qevolve.rollout import play_splits
 
 
 def rerank(params: Params, base_dir: Path, policy_dir: Path, critic_dir: Path, out: Path, metrics_path: Path, iteration: int, env_steps_path: Path) -> dict:

@@ -9,18 +9,23 @@ episodes failed that way.
 
 from __future__ import annotations
 
+import json
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 from tqdm import tqdm
 
-from qevolve.config import EnvConfig
-from qevolve.data.store import StepRecord, Trajectory
+from qevolve.config import EnvConfig, Params
+from qevolve.data.atomic import write_json
+from qevolve.data.store import StepRecord, Trajectory, write_store
 from qevolve.envs import make_env as make_configured_env
+from qevolve.envs import select_tasks
 from qevolve.envs.base import Task, TextEnv, check_env_failures, env_error
+from qevolve.models.device import placement
 from qevolve.models.policy import Actor
 from qevolve.models.prompt import clean_text, parse_action
 
@@ -159,3 +164,41 @@ def play_in(cfg: EnvConfig, tasks: list[Task], actor: Actor, **kwargs) -> list[T
         lambda: make_configured_env(cfg, worker=cfg.processes), tasks, actor, max_steps=cfg.max_steps,
         max_failure_ratio=cfg.max_failure_ratio, retries=cfg.retries, parallel=cfg.processes, **kwargs,
     )
+
+
+def episode_metrics(trajs: list[Trajectory]) -> dict:
+    """Success rate, average reward, steps, invalid-action rate and tokens per episode."""
+    n = max(len(trajs), 1)
+    steps = [s for t in trajs for s in t.steps]
+    return {
+        "episodes": len(trajs),
+        "success_rate": sum(t.won for t in trajs) / n,
+        "avg_reward": sum(t.reward for t in trajs) / n,
+        "avg_steps": len(steps) / n,
+        "invalid_rate": sum(not s.valid for s in steps) / max(len(steps), 1),
+        "output_tokens_per_episode": sum(s.output_tokens for s in steps) / n,
+        "prompt_tokens_per_episode": sum(s.prompt_tokens for s in steps) / n,
+    }
+
+
+def play_splits(params: Params, actor: Actor, out: Path, metrics_path: Path, source: str, env_steps_path: Path) -> dict:
+    """Greedy episodes of `actor` on every configured split; metrics per split, episodes in `out`."""
+    cfg = params.evaluate
+    lister = make_configured_env(params.env)
+    all_trajs, metrics = [], {}
+    spent = json.loads(Path(env_steps_path).read_text())
+    for split, count in cfg.splits.items():
+        cut = len(actor.builder.truncated)
+        tasks = select_tasks(lister, split, params.env, count, cfg.seed)
+        trajs = play_in(params.env, tasks, actor, greedy=True, source=source, batch_size=cfg.batch_size, seed=cfg.seed, desc=f"{source} {split}")
+        trajs, failures = check_env_failures(trajs, params.env.max_failure_ratio, f"{source} {split}")
+        metrics[split] = {
+            **episode_metrics(trajs), "cumulative_env_steps": spent["cumulative_env_steps"],
+            "cumulative_generated_tokens": spent.get("cumulative_generated_tokens", 0),
+            "truncated_observations": len(actor.builder.truncated) - cut, "env_failures": failures,
+            **placement(actor.backend.model),
+        }
+        all_trajs += trajs
+    write_store(out, all_trajs)
+    write_json(metrics_path, metrics)
+    return metrics
