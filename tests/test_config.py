@@ -54,3 +54,26 @@ def test_non_mapping_file_fails(tmp_path):
     path.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_params(path)
+
+
+def test_an_empty_file_is_refused(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match=f"{path}: the file is empty"):
+        load_params(path)
+
+
+def test_a_key_given_twice_is_refused_naming_it(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("bc:\n  lr: 0.1\n  epochs: 2\n  lr: 0.5\n")
+    with pytest.raises(ConfigError, match=rf"{path}: key 'lr' appears twice in one mapping \(lines 2 and 4\)"):
+        load_params(path)
+
+
+def test_a_cross_section_error_prints_its_message_not_the_whole_file(tmp_path):
+    path = _write(tmp_path, {"evolve": {"method": "grpo"}, "policy": {"algo": "awr"}})
+    with pytest.raises(ConfigError) as err:
+        load_params(path)
+    message = str(err.value)
+    assert "policy.algo: the GRPO baseline" in message and "silently turn it into AWR" in message
+    assert "got" not in message and "'env'" not in message  # not the whole parameters mapping

@@ -350,6 +350,10 @@ class Params(Section):
             raise ValueError("rerank.best_of: Best-of-N reranking draws from the valid actions; it needs policy.action_mode `admissible`")
         if self.rerank.best_of and self.evolve.method != "qevolve":
             raise ValueError("rerank.best_of: reranking uses Q-Evolve's critic; it needs evolve.method `qevolve`")
+        if self.evolve.method == "grpo" and self.policy.algo != "bppo":
+            raise ValueError(f"policy.algo: the GRPO baseline (evolve.method `grpo`) takes its clipped surrogate, clip range and KL "
+                             f"from the policy section; `{self.policy.algo}` would silently turn it into {self.policy.algo.upper()}. "
+                             "Use policy.algo `bppo` with GRPO")
         return self
 
 
@@ -365,10 +369,27 @@ def lineage_dump(params: Params) -> dict:
 def _format_errors(path: Path | str, err: ValidationError) -> str:
     lines = [f"{path}: invalid parameters"]
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if not e["loc"]:  # a rule across sections: its message names the keys; the whole file is no use as "got"
+            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
+            continue
+        key = ".".join(str(p) for p in e["loc"])
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
         lines.append(f"  {key}: {msg} (got {e.get('input')!r})")
     return "\n".join(lines)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise ConfigError(f"key {key!r} appears twice in one mapping (lines {seen[key]} and {key_node.start_mark.line + 1}); "
+                                  "YAML would silently keep the last one")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
 
 
 def parse_params(raw: dict, source: Path | str = "<params>") -> Params:
@@ -383,9 +404,13 @@ def load_params(path: Path | str = "params.yaml") -> Params:
     if not path.exists():
         raise ConfigError(f"{path}: params file not found")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    if raw is not None and not isinstance(raw, dict):
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    if raw is None:
+        raise ConfigError(f"{path}: the file is empty; expected a mapping of sections (copy one from profiles/ to start)")
+    if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     return parse_params(raw, path)
