@@ -287,7 +287,9 @@ def log_table(spec: Spec, results: list[dict], wall_s: float, images: list[Path]
     """One MLflow parent run for the table, one child per row and seed; returns the parent's id."""
     import mlflow
 
-    mlflow.set_experiment(f"table-{spec.name}")
+    from flows.tracking import use_experiment
+
+    use_experiment(f"table-{spec.name}")
     with mlflow.start_run(run_name=f"table-{spec.name}", tags={"qevolve.git_commit": commit}) as parent:
         mlflow.log_metric("wall_s", wall_s)
         mlflow.log_text(markdown(results), "table.md")

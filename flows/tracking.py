@@ -39,14 +39,31 @@ EVOLUTION_FILE = Path(STATE_DIR) / "evolution.json"
 """The workspace's current evolution: its MLflow parent run and the parameters it was started with."""
 
 
+def use_experiment(name: str) -> None:
+    """Make `name` the active experiment, marked as model training: MLflow 3's UI then opens it in its
+    training view (runs with their metric charts), not the GenAI view it infers for experiments whose
+    runs log no model."""
+    experiment = mlflow.set_experiment(name)
+    if experiment.tags.get("mlflow.experimentKind") != "custom_model_development":
+        mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, "mlflow.experimentKind", "custom_model_development")
+
+
+def evolution_identity(params: Params) -> dict:
+    """What makes two runs the same evolution: the parameters that decide what is computed, less how far
+    it goes (`evolve.iterations`: raising it continues the evolution) and where it runs."""
+    identity = lineage_dump(params)
+    identity["evolve"].pop("iterations")
+    return identity
+
+
 def start_evolution(params: Params, run_name: str):
-    """The evolution's parent run: the same one again when this workspace last ran these parameters
-    (a resumed or repeated run), a new one otherwise.
+    """The evolution's parent run: the same one again when this workspace last ran these parameters,
+    however many iterations (a resumed, repeated or continued run), a new one otherwise.
 
     Runs left RUNNING under a resumed parent belong to an attempt that was killed (the workspace lock
     guarantees no other attempt is alive): they are marked KILLED, and the parent counts its attempts."""
-    mlflow.set_experiment(params.mlflow.experiment)
-    fingerprint = hashlib.sha256(json.dumps(lineage_dump(params), sort_keys=True, default=str).encode()).hexdigest()
+    use_experiment(params.mlflow.experiment)
+    fingerprint = hashlib.sha256(json.dumps(evolution_identity(params), sort_keys=True, default=str).encode()).hexdigest()
     previous = json.loads(EVOLUTION_FILE.read_text()) if EVOLUTION_FILE.exists() else {}
     client = mlflow.MlflowClient()
     run_id = previous.get("run_id") if previous.get("fingerprint") == fingerprint else None
@@ -58,8 +75,9 @@ def start_evolution(params: Params, run_name: str):
         if old is None or old.info.lifecycle_stage != "active":
             run_id = None
     if run_id is None:
-        run = mlflow.start_run(run_name=run_name, tags={"qevolve.attempts": "1"})
-        mlflow.log_params({k: str(v)[:500] for k, v in flatten(params.model_dump()).items()})
+        run = mlflow.start_run(run_name=run_name, tags={"qevolve.attempts": "1", "qevolve.iterations": str(params.evolve.iterations)})
+        # Every parameter but the iteration count, which a continued evolution raises (a tag, updated).
+        mlflow.log_params({k: str(v)[:500] for k, v in flatten(params.model_dump()).items() if k != "evolve.iterations"})
         write_json(EVOLUTION_FILE, {"run_id": run.info.run_id, "fingerprint": fingerprint})
         return run
     stale = client.search_runs([old.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}' and attributes.status = 'RUNNING'")
@@ -67,7 +85,8 @@ def start_evolution(params: Params, run_name: str):
         client.set_terminated(child.info.run_id, "KILLED")
     killed = int(old.data.tags.get("qevolve.killed_attempts", "0")) + (old.info.status == "RUNNING")
     run = mlflow.start_run(run_id=run_id)
-    mlflow.set_tags({"qevolve.attempts": str(int(old.data.tags.get("qevolve.attempts", "1")) + 1), "qevolve.killed_attempts": str(killed)})
+    mlflow.set_tags({"qevolve.attempts": str(int(old.data.tags.get("qevolve.attempts", "1")) + 1), "qevolve.killed_attempts": str(killed),
+                     "qevolve.iterations": str(params.evolve.iterations)})
     return run
 
 
