@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import yaml
 
@@ -34,6 +36,9 @@ def _write(tmp_path, raw):
         ({"policy": {"lr": -1e-4}}, "policy.lr"),
         ({"env": {"max_failure_ratio": 2}}, "env.max_failure_ratio"),
         ({"prompt": {"max_observation_tokens": 0}}, "prompt.max_observation_tokens"),
+        ({"model": {"device": "gpu"}}, "model.device"),
+        ({"env": {"name": "textcraft", "task_types": ["depth9"]}, "policy": {"action_mode": "free"}, "experts": {"demos": {"planner": 1}},
+          "evaluate": {"splits": {"test": 0}}}, "env.task_types"),
     ],
 )
 def test_bad_values_fail_naming_file_and_key(tmp_path, raw, key):
@@ -77,3 +82,13 @@ def test_a_cross_section_error_prints_its_message_not_the_whole_file(tmp_path):
     message = str(err.value)
     assert "policy.algo: the GRPO baseline" in message and "silently turn it into AWR" in message
     assert "got" not in message and "'env'" not in message  # not the whole parameters mapping
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"evaluate": {"splits": {"valid_seen": 2, "dev": 2}}}, "evaluate.splits: alfworld has no split(s) ['dev']"),
+    ({"collect": {"split": "test"}}, "collect.split: alfworld has no split(s) ['test']"),
+    ({"env": {"name": "textcraft"}, "policy": {"action_mode": "free"}, "experts": {"demos": {"planner": 1}}}, "evaluate.splits: textcraft has no split(s) ['valid_seen', 'valid_unseen']"),
+])
+def test_split_names_are_checked_against_the_environment(tmp_path, raw, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_params(_write(tmp_path, raw))

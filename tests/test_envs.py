@@ -107,6 +107,16 @@ def test_sciworld_bad_split_files_name_the_file(tmp_path, monkeypatch):
         scienceworld.list_tasks("train")
 
 
+def test_sciworld_task_types_are_checked_against_its_data(tmp_path, monkeypatch):
+    from qevolve.config import EnvConfig
+    from qevolve.envs import check_data
+
+    _sciworld_splits(tmp_path, monkeypatch, [["task-1-boil", 0], ["task-3-find-non-living-thing", 1]])
+    check_data(EnvConfig(name="scienceworld", task_types=["task-1-boil"]))
+    with pytest.raises(ValueError, match=r"env.task_types: scienceworld has no task type\(s\) \['task-1-boil-water'\].*'task-3-find-non-living-thing'"):
+        check_data(EnvConfig(name="scienceworld", task_types=["task-1-boil-water"]))
+
+
 @pytest.fixture(scope="module")
 def sciworld_env():
     env = scienceworld.ScienceWorldEnv(expert="gold")

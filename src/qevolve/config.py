@@ -23,12 +23,16 @@ class Section(BaseModel):
 
 
 ENVIRONMENTS = {
-    # name: (its experts, whether it lists the valid actions that `policy.action_mode: admissible` needs)
-    "alfworld": (("handcoded", "walkthrough"), True),
-    "scienceworld": (("gold",), True),
-    "webshop": (("gold",), True),
-    "textcraft": (("planner",), False),
+    # name: (its experts, whether it lists the valid actions that `policy.action_mode: admissible` needs,
+    # its splits)
+    "alfworld": (("handcoded", "walkthrough"), True, ("train", "valid_seen", "valid_unseen", "valid_train")),
+    "scienceworld": (("gold",), True, ("train", "valid_seen", "valid_unseen")),
+    "webshop": (("gold",), True, ("train", "test")),
+    "textcraft": (("planner",), False, ("train", "test")),
 }
+TEXTCRAFT_TYPES = ("depth2", "depth3", "depth4")
+"""TextCraft's task types: the goals' crafting depth (`qevolve.envs.textcraft`). ScienceWorld's (task
+names) and WebShop's (product categories) come from their data and are checked when it is read."""
 
 
 class EnvConfig(Section):
@@ -60,12 +64,14 @@ class EnvConfig(Section):
     @field_validator("task_types")
     @classmethod
     def _known_types(cls, v: list[str], info: ValidationInfo) -> list[str]:
-        if info.data.get("name") == "alfworld":  # the other environments' types are checked when tasks are listed
-            from qevolve.envs.alfworld import TASK_TYPES
-
-            bad = [t for t in v if t not in TASK_TYPES]
-            if bad:
-                raise ValueError(f"unknown task type(s) {bad}; expected some of {list(TASK_TYPES)}")
+        known = None
+        if info.data.get("name") == "alfworld":
+            from qevolve.envs.alfworld import TASK_TYPES as known
+        elif info.data.get("name") == "textcraft":
+            known = TEXTCRAFT_TYPES
+        bad = [t for t in v if known is not None and t not in known]
+        if bad:
+            raise ValueError(f"unknown task type(s) {bad}; expected some of {list(known)}")
         return v
 
 
@@ -340,7 +346,11 @@ class Params(Section):
 
     @model_validator(mode="after")
     def _fits_env(self) -> "Params":
-        experts, lists_actions = ENVIRONMENTS[self.env.name]
+        experts, lists_actions, splits = ENVIRONMENTS[self.env.name]
+        for key, names in (("experts.split", [self.experts.split]), ("collect.split", [self.collect.split]), ("evaluate.splits", list(self.evaluate.splits))):
+            bad = [n for n in names if n not in splits]
+            if bad:
+                raise ValueError(f"{key}: {self.env.name} has no split(s) {bad}; expected some of {list(splits)}")
         unknown = sorted(set(self.experts.demos) - set(experts))
         if unknown:
             raise ValueError(f"experts.demos: {self.env.name} has no expert(s) {unknown}; expected some of {list(experts)}")

@@ -46,11 +46,19 @@ def check_data(cfg: EnvConfig) -> None:
     elif cfg.name == "scienceworld":
         from qevolve.envs.scienceworld import list_tasks
 
-        list_tasks("train")
+        _check_types(cfg, list_tasks("train"))
     elif cfg.name == "webshop":
         from qevolve.envs.webshop import WebShopEnv
 
-        WebShopEnv(cfg.data_dir or None).tasks("train")
+        _check_types(cfg, WebShopEnv(cfg.data_dir or None).tasks("train"))
+
+
+def _check_types(cfg: EnvConfig, tasks) -> None:
+    """`env.task_types` against the types the data defines (ScienceWorld's task names, WebShop's categories)."""
+    known = sorted({t.type for t in tasks})
+    unknown = [t for t in cfg.task_types if t not in known]
+    if unknown:
+        raise ValueError(f"env.task_types: {cfg.name} has no task type(s) {unknown} in its train split; expected some of {known}")
 
 
 def check_tasks(env: TextEnv, trajectories, source: str) -> None:
