@@ -184,3 +184,26 @@ def test_gguf_bases_fail_naming_the_file(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match=r"is not the file the base stage recorded .*dvc repro base"):
         load_base(base)
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # nothing half-converted left
+
+
+def test_missing_alfworld_games_name_the_three_ways_and_why_each_failed(tmp_path, monkeypatch):
+    from qevolve.envs import alfworld
+
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    monkeypatch.setattr(alfworld.sys, "executable", str(bin_dir / "python"))
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "games"))
+    monkeypatch.delenv("QEVOLVE_ALFWORLD_ARCHIVE", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(alfworld.AlfworldDataError) as err:
+        alfworld.ensure_alfworld_data()
+    message = str(err.value)
+    assert f"1. ALFWORLD_DATA naming a folder that holds them: {tmp_path / 'games'} holds no games" in message
+    assert "2. QEVOLVE_ALFWORLD_ARCHIVE naming a local copy of json_2.1.1_all_splits.tar.xz: not set" in message
+    assert "neither beside" in message and "nor on PATH" in message
+    # The venv's own script is found without the venv on PATH; here it fails as it does offline.
+    script = bin_dir / "alfworld-download"
+    script.write_text("#!/bin/sh\necho 'no network' >&2\nexit 3\n")
+    script.chmod(0o755)
+    with pytest.raises(alfworld.AlfworldDataError, match=rf"3. ALFWorld's own download \(needs internet\): {script} exited with 3"):
+        alfworld.ensure_alfworld_data()

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
 import warnings
@@ -64,15 +65,32 @@ def ensure_alfworld_data(archive: Path | None = None) -> Path:
             _unpack(archive, root)
         else:
             root.mkdir(parents=True, exist_ok=True)
-            env = {**os.environ, "ALFWORLD_DATA": str(root)}
-            done = subprocess.run(["alfworld-download"], env=env)
-            if done.returncode != 0 or not _has_games(root):
+            why = _download(root)
+            if why:
+                given = os.environ.get("ALFWORLD_DATA")
                 raise AlfworldDataError(
-                    f"alfworld-download failed to fill {root}; without internet, set QEVOLVE_ALFWORLD_ARCHIVE "
-                    f"to a local copy of {ARCHIVE_NAME} or ALFWORLD_DATA to an unpacked data folder"
+                    f"ALFWorld's games are not in {root}, and none of the three ways of getting them worked:\n"
+                    f"  1. ALFWORLD_DATA naming a folder that holds them: {f'{given} holds no games' if given else 'not set'};\n"
+                    f"  2. QEVOLVE_ALFWORLD_ARCHIVE naming a local copy of {ARCHIVE_NAME}: not set;\n"
+                    f"  3. ALFWorld's own download (needs internet): {why}."
                 )
     os.environ["ALFWORLD_DATA"] = str(root)
     return root
+
+
+def _download(root: Path) -> str:
+    """Run ALFWorld's `alfworld-download` into `root`; return why it did not fill it ('' if it did).
+
+    The script is looked for beside this Python first (the project's virtual environment, whether or
+    not it is activated), then on PATH."""
+    beside = Path(sys.executable).with_name("alfworld-download")
+    script = str(beside) if beside.exists() else shutil.which("alfworld-download")
+    if script is None:
+        return f"the `alfworld-download` script is neither beside {sys.executable} nor on PATH (is the alfworld package installed?)"
+    done = subprocess.run([script], env={**os.environ, "ALFWORLD_DATA": str(root)})
+    if done.returncode != 0:
+        return f"{script} exited with {done.returncode} (its output is above)"
+    return "" if _has_games(root) else f"{script} finished but {root} holds no games"
 
 
 def _unpack(archive: Path, root: Path) -> None:
