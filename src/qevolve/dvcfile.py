@@ -76,7 +76,7 @@ def code_deps(stage: str) -> list[str]:
     return sorted(f"{SRC}/{_module_file(m).relative_to(PACKAGE).as_posix()}" for m in seen)
 
 
-def _stage(cmd: str, deps: list[str], params: list[str], outs: list[str], metrics: str, plot: dict | None = None) -> dict:
+def _stage(cmd: str, deps: list[str], params: list[str], outs: list, metrics: str, plot: dict | None = None) -> dict:
     spec = {"cmd": cmd, "deps": list(dict.fromkeys(deps)), "params": params, "outs": outs, "metrics": [{metrics: {"cache": False}}]}
     if plot:
         spec["plots"] = [plot]
@@ -97,7 +97,10 @@ def spec(params: Params) -> dict:
     loop = list(range(1, n + 1))
     code = code_deps
     stages = {
-        "experts": _stage("qevolve run experts", code("experts"), ["env", "experts"], [str(paths.EXPERTS)], str(paths.metrics("experts"))),
+        "experts": _stage(
+            "qevolve run experts", code("experts"), ["env", "experts"], [str(paths.EXPERTS), {str(paths.details("experts")): {"cache": False}}],
+            str(paths.metrics("experts")),
+        ),
         "base": _stage(
             "qevolve run base", [*code("base"), str(paths.EXPERTS)],
             ["env.name", "model.base", "model.embedded", "model.context_tokens"], [str(paths.BASE)], str(paths.metrics("base")),

@@ -43,6 +43,12 @@ def metrics(stage: str) -> Path:
     return METRICS / f"{stage}.json"
 
 
+def details(stage: str) -> Path:
+    """Per-item details of a stage (e.g. each failed demonstration), kept out of its metrics file so that
+    `dvc metrics show` and `dvc exp show` get only numbers to compare across experiments."""
+    return METRICS / f"{stage}_details.json"
+
+
 def curve(stage: str) -> Path:
     """Per-step training curve (or, for `advantage@k`, the histogram) of a stage, a DVC plot."""
     return METRICS / f"{stage}_curve.json"

@@ -82,7 +82,7 @@ def run_stage(stage: str, params: Params, iteration: int | None = None, params_f
     if stage == "experts":
         from qevolve.stages.experts import experts
 
-        return experts(params, paths.EXPERTS, out)
+        return experts(params, paths.EXPERTS, out, paths.details(name))
     if stage == "base":
         from qevolve.stages.base import base
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -71,8 +72,9 @@ def _demonstrate_all(params: Params, kind: str, tasks: list[Task], bar) -> list[
     return out
 
 
-def experts(params: Params, out: Path, metrics_path: Path) -> dict:
-    """Write the won expert demonstrations to the store at `out`; return and write metrics."""
+def experts(params: Params, out: Path, metrics_path: Path, details_path: Path) -> dict:
+    """Write the won expert demonstrations to the store at `out`; return and write metrics, and each
+    failed demonstration (expert, task, reason) to `details_path`."""
     cfg = params.experts
     tasks = select_tasks(make_env(params.env), cfg.split, params.env, 0, cfg.seed)
     tasks = random.Random(cfg.seed).sample(tasks, min(max(cfg.demos.values()), len(tasks)))
@@ -96,7 +98,9 @@ def experts(params: Params, out: Path, metrics_path: Path) -> dict:
         # every step the experts took, failed episodes included: sample efficiency counts from here
         "cumulative_env_steps": sum(len(t.steps) for t in trajs),
         "env_failures": failed,
-        "failures": {f"{kind}:{t.task_id}": t.failure for (kind, _), t in zip(jobs, trajs) if not t.won},
+        # by kind of reason (`max_steps`, `done`, `env_error`): a few columns, whatever the tasks
+        "failures": dict(Counter(t.failure.split(":")[0] for t in trajs if not t.won)),
     }
+    write_json(details_path, [{"expert": kind, "task_id": t.task_id, "reason": t.failure} for (kind, _), t in zip(jobs, trajs) if not t.won])
     write_json(metrics_path, metrics)
     return metrics
