@@ -25,7 +25,8 @@ from qevolve.cli import summary_table
 from qevolve.config import load_params
 from qevolve.data.atomic import write_json
 from qevolve.envs import check_data
-from qevolve.lock import WorkspaceBusy, workspace_lock
+from qevolve.errors import UserError, debugging, report
+from qevolve.lock import workspace_lock
 from qevolve.stages import iteration_stages, pipeline, stage_name
 from tasks import run_pipeline_stage
 
@@ -97,9 +98,10 @@ def main() -> int:
     start = time.perf_counter()
     try:
         results = evolve()
-    except WorkspaceBusy as err:
-        print(err, file=sys.stderr)
-        return 2
+    except UserError as err:  # bad parameters or data, a busy workspace: the message and a hint, no traceback
+        if debugging():
+            raise
+        return report(err)
     params = load_params(ROOT / "params.yaml")
     ran = [name for name, r in results.items() if isinstance(r, dict) and r.get("ran")]
     print()

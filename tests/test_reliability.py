@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from conftest import REPO
 from qevolve.config import ModelConfig
 from qevolve.data.atomic import atomic_dir
 from qevolve.data.store import StepRecord, Trajectory, read_store, write_store
@@ -207,3 +208,19 @@ def test_missing_alfworld_games_name_the_three_ways_and_why_each_failed(tmp_path
     script.chmod(0o755)
     with pytest.raises(alfworld.AlfworldDataError, match=rf"3. ALFWorld's own download \(needs internet\): {script} exited with 3"):
         alfworld.ensure_alfworld_data()
+
+
+def test_known_errors_print_message_and_hint_without_a_traceback_unless_debugging(tmp_path):
+    import shutil
+
+    shutil.copyfile(REPO / "params.yaml", tmp_path / "params.yaml")
+    cli = [sys.executable, "-m", "qevolve.cli"]
+    stale = subprocess.run([*cli, "run", "bc"], cwd=tmp_path, capture_output=True, text=True)
+    assert stale.returncode == 2 and "dvc.yaml does not match params.yaml" in stale.stderr and "hint: `qevolve dvc-yaml` writes it" in stale.stderr
+    subprocess.run([*cli, "dvc-yaml"], cwd=tmp_path, check=True, capture_output=True)
+    done = subprocess.run([*cli, "run", "bc"], cwd=tmp_path, capture_output=True, text=True)  # no expert data yet
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "error: data/experts/trajectories.parquet: missing" in done.stderr and "hint: a stage's data is missing" in done.stderr
+    assert "dvc checkout <stage>" in done.stderr
+    debug = subprocess.run([*cli, "--debug", "run", "bc"], cwd=tmp_path, capture_output=True, text=True)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "SchemaError" in debug.stderr

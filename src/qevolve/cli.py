@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 from qevolve import dvcfile, paths
-from qevolve.config import ConfigError, load_params
-from qevolve.lock import WorkspaceBusy, workspace_lock
+from qevolve.config import load_params
+from qevolve.errors import UserError, debugging, report
+from qevolve.lock import workspace_lock
 from qevolve.stages import STAGES, run_stage
 
 
@@ -59,8 +60,17 @@ def main(argv: list[str] | None = None) -> int:
     shop.add_argument("folder", type=Path)
     shop.add_argument("--products", type=int, default=200)
     shop.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a known error (also QEVOLVE_DEBUG=1)")
     args = parser.parse_args(argv)
+    try:
+        return _command(args)
+    except UserError as err:
+        if args.debug or debugging([]):
+            raise
+        return report(err)
 
+
+def _command(args) -> int:
     if args.command == "webshop-data":
         from qevolve.envs.webshop_data import write_synthetic
 
@@ -73,11 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(ensure_alfworld_data())
         return 0
-    try:
-        params = load_params(args.params)
-    except ConfigError as err:
-        print(err, file=sys.stderr)
-        return 2
+    params = load_params(args.params)
     if args.command == "summary":
         print(summary_table(list(range(params.evolve.iterations + 1))))
         return 0
@@ -85,20 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         changed = dvcfile.write(params, args.params.parent / "dvc.yaml")
         print(f"dvc.yaml {'written' if changed else 'already up to date'} ({params.evolve.iterations} iterations)")
         return 0
-    try:
-        dvcfile.check(params, args.params.parent / "dvc.yaml")
-    except RuntimeError as err:
-        print(err, file=sys.stderr)
-        return 2
-    from qevolve.models.device import DeviceError
+    dvcfile.check(params, args.params.parent / "dvc.yaml")
     from qevolve.training import process_group
 
-    try:
-        with workspace_lock(args.params.parent, f"stage {args.stage}"), process_group(params.model.device):
-            metrics = run_stage(args.stage, params, args.iteration, args.params)
-    except (WorkspaceBusy, DeviceError) as err:
-        print(err, file=sys.stderr)
-        return 2
+    with workspace_lock(args.params.parent, f"stage {args.stage}"), process_group(params.model.device):
+        metrics = run_stage(args.stage, params, args.iteration, args.params)
     if metrics:  # the other ranks of a multi-process trainer return none
         print(json.dumps(metrics, indent=2, default=str)[:2000])
     return 0

@@ -13,9 +13,13 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from qevolve.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A params file that does not validate; the message names the file and each bad key."""
+
+    hint = "fix the keys named above; src/qevolve/config.py documents every key, and profiles/ holds a valid file per environment"
 
 
 class Section(BaseModel):

@@ -22,12 +22,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from qevolve.errors import UserError
+
 STATE_DIR = ".qevolve"
 INHERIT = "QEVOLVE_LOCK_HELD"
 
 
-class WorkspaceBusy(RuntimeError):
-    pass
+class WorkspaceBusy(UserError, RuntimeError):
+    hint = "one evolution per workspace: wait for the one named above, stop it, or clone the project into another folder"
 
 
 _held: dict[Path, int] = {}

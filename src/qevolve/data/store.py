@@ -14,13 +14,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from qevolve.data.atomic import atomic_dir
+from qevolve.errors import UserError
 
 SCHEMA_VERSION = "1"
 _VERSION_KEY = b"qevolve.schema_version"
 
 
-class SchemaError(ValueError):
+class SchemaError(UserError, ValueError):
     """A trajectory file that does not match the store's schema."""
+
+    hint = ("a stage's data is missing, damaged or from another qevolve version: `dvc checkout <stage>` restores the version "
+            "dvc.lock records, or rerun the stage that wrote it (`dvc repro <stage>`)")
 
 
 @dataclass

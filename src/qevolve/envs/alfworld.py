@@ -25,6 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from qevolve.envs.base import Observation, Step, Task
+from qevolve.errors import UserError
 
 TASK_TYPES = (
     "pick_and_place_simple",
@@ -40,7 +41,8 @@ EXPERTS = ("handcoded", "walkthrough")
 ARCHIVE_NAME = "json_2.1.1_all_splits.tar.xz"
 
 
-class AlfworldDataError(RuntimeError):
+class AlfworldDataError(UserError, RuntimeError):
+    hint = "see the README's 'ALFWorld's games' paragraph"
     pass
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from qevolve.errors import UserError
+
 
 @dataclass(frozen=True)
 class Task:
@@ -63,8 +65,10 @@ class TextEnv(Protocol):
 ENV_ERROR = "env_error"
 
 
-class EnvironmentFailures(RuntimeError):
+class EnvironmentFailures(UserError, RuntimeError):
     """More episodes failed in the environment itself than `env.max_failure_ratio` allows."""
+
+    hint = "the reasons above say why the environment failed; env.max_failure_ratio sets the share of episodes allowed to"
 
 
 def env_error(err: Exception) -> str:

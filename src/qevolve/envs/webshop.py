@@ -30,6 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from qevolve.envs.base import Observation, Step, Task, read_split_file, splits_dir
+from qevolve.errors import UserError
 
 FILES = ("items_shuffle_1000.json", "items_ins_v2_1000.json", "items_human_ins.json")
 SPLITS = ("train", "test")
@@ -54,8 +55,8 @@ new pack set size color inch inches ounce ounces oz count pcs piece pieces men w
 medium x xl xxl s m l ft cm mm ml lb lbs""".split())
 
 
-class WebShopDataError(ValueError):
-    pass
+class WebShopDataError(UserError, ValueError):
+    hint = "docs/environments.md says where WebShop's data comes from; `qevolve webshop-data <folder>` writes a synthetic catalogue"
 
 
 def data_dir(configured: str | Path | None = None) -> Path:

@@ -21,6 +21,7 @@ import torch
 
 from qevolve.config import EmbeddedModelConfig
 from qevolve.data.atomic import atomic_dir
+from qevolve.errors import UserError
 from qevolve.models.device import resolve_device, resolve_dtype
 
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
@@ -32,8 +33,8 @@ CHAT_TEMPLATE = (
 POINTER = "base.json"
 
 
-class ModelLoadError(ValueError):
-    pass
+class ModelLoadError(UserError, ValueError):
+    hint = "check model.base; a changed or damaged base is rebuilt with `dvc repro base`"
 
 
 def train_tokenizer(corpus: Iterable[str], vocab_size: int):

@@ -11,9 +11,11 @@ import os
 
 import torch
 
+from qevolve.errors import UserError
 
-class DeviceError(ValueError):
-    pass
+
+class DeviceError(UserError, ValueError):
+    hint = "set model.device (or QEVOLVE_DEVICE) to `auto` or `cpu`, or run where the GPU is"
 
 
 def resolve_device(setting: str = "auto") -> torch.device:
