@@ -86,7 +86,23 @@ def _evolve(root: str) -> dict:
             results.update(iteration(k, root, run.info.run_id))
         log_evolution_views(params.evolve.iterations)
         results["mlflow_run_id"] = run.info.run_id
+        publish_table(params.evolve.iterations, run)
     return results
+
+
+def publish_table(iterations: int, run) -> None:
+    """The evaluation table as a markdown artifact of this flow run (the Prefect UI's Artifacts tab),
+    with where to find the evolution in MLflow."""
+    import mlflow
+    from prefect.artifacts import create_markdown_artifact
+
+    link = f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    create_markdown_artifact(
+        key="evaluation",
+        markdown=f"# Evaluation\n\n```\n{summary_table(list(range(iterations + 1)))}\n```\n\nMLflow run `{run.info.run_id}` "
+                 f"(tracking store `{mlflow.get_tracking_uri()}`): [{link}]({link}) once `mlflow ui` serves that store.\n",
+        description="BC and each iteration's success per split, with standard errors",
+    )
 
 
 def peak_rss_gb() -> float:

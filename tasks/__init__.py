@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from prefect import task
+from prefect import get_run_logger, task
 
 from qevolve import paths
 from qevolve.config import load_params
@@ -59,9 +59,13 @@ def run_pipeline_stage(stage: str, iteration: int | None = None, root: str = "."
     """Run one stage unless DVC says it is up to date; return its metrics and whether it ran."""
     root_path = Path(root).resolve()
     name = stage_name(stage, iteration)
-    if stage_is_current(root_path, name) or restore_from_run_cache(root_path, name):
-        metrics = json.loads((root_path / paths.metrics(name)).read_text())
-        return {"stage": name, "ran": False, "metrics": metrics}
+    logger = get_run_logger()
+    if stage_is_current(root_path, name):
+        logger.info("%s is up to date in DVC (same code, params and inputs as dvc.lock): not run", name)
+        return {"stage": name, "ran": False, "metrics": json.loads((root_path / paths.metrics(name)).read_text())}
+    if restore_from_run_cache(root_path, name):
+        logger.info("%s restored from DVC's run cache (a run with the same code, params and inputs): not run", name)
+        return {"stage": name, "ran": False, "metrics": json.loads((root_path / paths.metrics(name)).read_text())}
     start = time.perf_counter()
     metrics = run_stage(stage, load_params(root_path / "params.yaml"), iteration)
     compute = time.perf_counter() - start
