@@ -19,8 +19,8 @@ LOCAL_SPLITS := $(wildcard ../shared/data/splits)
 ifneq ($(LOCAL_SPLITS),)
 export QEVOLVE_SPLITS ?= $(abspath $(LOCAL_SPLITS))
 endif
-# `make quickstart PROFILE=textcraft` (or scienceworld, webshop, alfworld) first copies profiles/$(PROFILE).yaml
-# onto params.yaml; without PROFILE, params.yaml is used as it is.
+# `make quickstart PROFILE=textcraft` (or scienceworld, webshop, alfworld, smollm2) runs profiles/$(PROFILE).yaml
+# in its own workspace, runs/$(PROFILE)/, leaving params.yaml as it is; without PROFILE, params.yaml is used.
 PROFILE ?=
 
 .PHONY: setup quickstart test test-slow test-all
@@ -28,12 +28,7 @@ setup:
 	./scripts/setup.sh
 
 quickstart: setup
-ifneq ($(PROFILE),)
-	cp profiles/$(PROFILE).yaml params.yaml
-endif
-	@if grep -q "data_dir: data/webshop-synthetic" params.yaml && [ ! -f data/webshop-synthetic/items_human_ins.json ]; then \
-	  .venv/bin/qevolve webshop-data data/webshop-synthetic; fi
-	PYTHONPATH=. .venv/bin/python -m flows.evolve
+	PYTHONPATH=. .venv/bin/python -m flows.evolve $(if $(PROFILE),--profile $(PROFILE))
 
 test: setup
 	PYTHONPATH=. .venv/bin/python -m pytest -m "not slow"

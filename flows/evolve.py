@@ -5,11 +5,13 @@ Each stage is a task that DVC skips when its inputs are unchanged, so a second r
 killed run resumes at the first unfinished stage. MLflow gets one parent run per evolution and one child
 run per iteration. Run it from the workspace root:
 
-    python -m flows.evolve
+    python -m flows.evolve                    # this checkout's params.yaml, in this checkout
+    python -m flows.evolve --profile smollm2  # profiles/smollm2.yaml, in its own workspace runs/smollm2/
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -110,15 +112,43 @@ def peak_rss_gb() -> float:
     return max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 2**20
 
 
-def main() -> int:
+def profile_workspace(name: str) -> Path:
+    """`runs/<name>/`, a workspace of its own for `profiles/<name>.yaml` (the code copied, its own DVC
+    repository and MLflow store), so that running a profile leaves the checkout's params.yaml and
+    dvc.lock alone. A synthetic WebShop catalogue is written there if the profile asks for one."""
+    import yaml
+
+    from flows.table import prepare
+
+    source = ROOT / "profiles" / f"{name}.yaml"
+    if not source.exists():
+        known = sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml"))
+        raise SystemExit(f"--profile {name}: no {source}; expected one of {known}")
+    params = load_params(source)  # validated before anything is written
+    root = ROOT / "runs" / name
+    prepare(root, yaml.safe_load(source.read_text()))
+    shop = params.env.data_dir
+    if params.env.name == "webshop" and shop == "data/webshop-synthetic" and not (root / shop / "items_human_ins.json").exists():
+        from qevolve.envs.webshop_data import write_synthetic
+
+        write_synthetic(root / shop, 200, 0)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Run the evolution of a workspace as a Prefect flow.")
+    ap.add_argument("--profile", help="run profiles/NAME.yaml in its own workspace, runs/NAME/ (this checkout's files are left alone)")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of a known error")
+    args = ap.parse_args(argv)
     start = time.perf_counter()
     try:
-        results = evolve()
+        root = profile_workspace(args.profile) if args.profile else ROOT
+        results = evolve(str(root))
     except UserError as err:  # bad parameters or data, a busy workspace: the message and a hint, no traceback
-        if debugging():
+        if args.debug or debugging([]):
             raise
         return report(err)
-    params = load_params(ROOT / "params.yaml")
+    params = load_params(root / "params.yaml")
     ran = [name for name, r in results.items() if isinstance(r, dict) and r.get("ran")]
     print()
     print(summary_table(list(range(params.evolve.iterations + 1))))
@@ -126,11 +156,11 @@ def main() -> int:
     print(f"stages run: {', '.join(ran) or 'none (all up to date)'}; wall time {time.perf_counter() - start:.0f}s; "
           f"peak RSS {peak_rss_gb():.2f} GB")
     for k in range(1, params.evolve.iterations + 1):
-        timing = ROOT / paths.metrics(f"timing@{k}")
+        timing = root / paths.metrics(f"timing@{k}")
         if timing.exists() and any(name.endswith(f"@{k}") for name in ran):
             t = json.loads(timing.read_text())
             print(f"iteration {k}: {t['wall_s']:.0f}s, of which {t['overhead_share']:.1%} in Prefect, DVC and MLflow")
-    print("Where to look next:")
+    print("Where to look next" + (f" (in {root.relative_to(ROOT)}/):" if root != ROOT else ":"))
     print("  mlflow ui --backend-store-uri sqlite:///mlflow.db   # runs, metrics, adapter, trajectories")
     print("  dvc dag && dvc metrics show && dvc plots show        # lineage and results")
     print("  prefect server start                                 # flow runs in the Prefect UI")

@@ -145,9 +145,9 @@ def workspace_params(spec: Spec, name: str, seed: int, env_steps: int | None) ->
     return params
 
 
-def prepare(root: Path, params: dict, cache: Path) -> None:
+def prepare(root: Path, params: dict, cache: Path | None = None) -> None:
     """A workspace: the stages' code (identical everywhere, so the run cache matches across workspaces),
-    params.yaml, and a DVC repository whose cache is the table's."""
+    params.yaml, and a DVC repository whose cache is `cache` (the table's; its own without one)."""
     root.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(root / "src", ignore_errors=True)  # a file deleted from the checkout goes from the copy too
     shutil.copytree(ROOT / "src", root / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
@@ -157,7 +157,8 @@ def prepare(root: Path, params: dict, cache: Path) -> None:
             tmp.write_text(text)
     if not (root / ".dvc").exists():
         subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=root, check=True)
-        subprocess.run([sys.executable, "-m", "dvc", "cache", "dir", str(cache)], cwd=root, check=True)
+        if cache is not None:
+            subprocess.run([sys.executable, "-m", "dvc", "cache", "dir", str(cache)], cwd=root, check=True)
 
 
 def read_metrics(root: Path, stage: str) -> dict:
