@@ -235,3 +235,18 @@ def test_kills_during_every_stage_kind_resume_to_the_same_results(tmp_path, alfw
     out = _finish(_flow(ws))
     assert _stages_run(out) == "stages run: evaluate@1"
     assert _results(ws) == _results(clean)
+
+
+def test_a_profile_runs_in_its_own_workspace_and_leaves_the_checkout_alone(tmp_path, monkeypatch):
+    import flows.evolve
+
+    shutil.copytree(REPO / "profiles", tmp_path / "profiles")
+    monkeypatch.setattr(flows.evolve, "ROOT", tmp_path)
+    root = flows.evolve.profile_workspace("webshop")
+    assert root == tmp_path / "runs" / "webshop"
+    assert yaml.safe_load((root / "params.yaml").read_text()) == yaml.safe_load((REPO / "profiles" / "webshop.yaml").read_text())
+    assert (root / ".dvc").is_dir() and (root / "src" / "qevolve" / "cli.py").exists()
+    assert (root / "data" / "webshop-synthetic" / "items_human_ins.json").exists()
+    assert not (tmp_path / "params.yaml").exists()  # nothing written outside runs/webshop
+    with pytest.raises(SystemExit, match="no .*nosuch.yaml; expected one of"):
+        flows.evolve.profile_workspace("nosuch")
