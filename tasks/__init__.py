@@ -32,6 +32,20 @@ def stage_is_current(root: Path, name: str) -> bool:
         return not repo.status(targets=[name])
 
 
+def restore_changed_outputs(root: Path, name: str) -> bool:
+    """When only the stage's outputs changed since dvc.lock (deleted, edited, damaged) and DVC's cache holds
+    the recorded version, check that version out; True if the stage is then up to date."""
+    with dvc_repo(root) as repo:
+        entries = repo.status(targets=[name]).get(name, [])
+        if not entries or any(not isinstance(e, dict) or set(e) != {"changed outs"} for e in entries):
+            return False
+        try:
+            repo.checkout(targets=[name], force=True)
+        except Exception:  # noqa: BLE001 - DVC raises several kinds when its cache lacks the version
+            return False
+        return not repo.status(targets=[name])
+
+
 def restore_from_run_cache(root: Path, name: str) -> bool:
     """Check out the stage's outputs from DVC's run cache and record it in dvc.lock; False if no run
     with the same code, params and input hashes is cached."""
@@ -62,6 +76,10 @@ def run_pipeline_stage(stage: str, iteration: int | None = None, root: str = "."
     logger = get_run_logger()
     if stage_is_current(root_path, name):
         logger.info("%s is up to date in DVC (same code, params and inputs as dvc.lock): not run", name)
+        return {"stage": name, "ran": False, "metrics": json.loads((root_path / paths.metrics(name)).read_text())}
+    if restore_changed_outputs(root_path, name):
+        logger.warning("%s: its outputs no longer matched dvc.lock (deleted or damaged); restored the recorded version "
+                       "from DVC's cache: not run", name)
         return {"stage": name, "ran": False, "metrics": json.loads((root_path / paths.metrics(name)).read_text())}
     if restore_from_run_cache(root_path, name):
         logger.info("%s restored from DVC's run cache (a run with the same code, params and inputs): not run", name)

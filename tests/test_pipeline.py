@@ -159,8 +159,13 @@ def test_flow_end_to_end_resumes_after_kill_and_leaves_dvc_clean(tmp_path, alfwo
     status = subprocess.run([DVC, "status"], cwd=ws, capture_output=True, text=True, check=True).stdout
     assert "up to date" in status, status
 
-    # 3. Again: no work at all.
-    assert _stages_run(_finish(_flow(ws))) == "stages run: none (all up to date)"
+    # 3. Again, after damaging BC's adapter: no work at all; the flow restores the recorded version from DVC's cache.
+    adapter = ws / "models" / "bc" / "adapter_model.safetensors"
+    intact = adapter.read_bytes()
+    adapter.write_bytes(intact[: len(intact) // 2])
+    out = _finish(_flow(ws))
+    assert _stages_run(out) == "stages run: none (all up to date)"
+    assert "bc: its outputs no longer matched dvc.lock" in out and adapter.read_bytes() == intact
 
     # MLflow: a parent run per evolution with the setup stages and the success plot, a child per iteration.
     import mlflow

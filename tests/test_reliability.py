@@ -224,3 +224,22 @@ def test_known_errors_print_message_and_hint_without_a_traceback_unless_debuggin
     assert "dvc checkout <stage>" in done.stderr
     debug = subprocess.run([*cli, "--debug", "run", "bc"], cwd=tmp_path, capture_output=True, text=True)
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "SchemaError" in debug.stderr
+
+
+def test_a_damaged_adapter_or_prompt_file_names_the_artifact_its_stage_and_the_recovery(tiny_base, tmp_path):
+    from qevolve.config import Params
+    from qevolve.errors import DamagedArtifact
+    from qevolve.models.policy import load_policy
+    from qevolve.models.prompt import make_builder
+
+    cfg = ModelConfig(lora={"r": 4, "alpha": 8})
+    model, tok = load_policy(tiny_base, cfg)
+    policy = tmp_path / "models" / "policy@2"
+    model.save_pretrained(policy)
+    weights = policy / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # cut short, as by a full disk or a bad copy
+    with pytest.raises(DamagedArtifact, match=r"models/policy@2: cannot load the LoRA adapter .*the output of stage `policy@2`") as err:
+        load_policy(tiny_base, cfg, adapter=policy)
+    assert "dvc checkout <stage>" in err.value.hint
+    with pytest.raises(DamagedArtifact, match=r"models/policy@2/prompt.json: cannot read the prompt .*stage `policy@2`"):
+        make_builder(Params(), tok, policy)

@@ -13,6 +13,23 @@ class UserError(Exception):
     hint = ""
 
 
+class DamagedArtifact(UserError):
+    """A stage's output that is missing a file or cannot be read back."""
+
+    hint = ("`dvc checkout <stage>` restores the version dvc.lock records from DVC's cache (the flow does this by "
+            "itself when it finds an output changed); `dvc repro <stage>` rebuilds it")
+
+
+def artifact(path, problem: str) -> DamagedArtifact:
+    """The error for the artifact at `path` (`models/policy@2`, `data/collect@1/...`): names it and the
+    stage that wrote it (outputs are named after their stage; under GRPO `online@k` writes `models/policy@k`)."""
+    from pathlib import Path
+
+    path = Path(path)
+    folder = next((p for p in [path, *path.parents] if p.parent.name in ("models", "data")), path)
+    return DamagedArtifact(f"{path}: {problem}; it is the output of stage `{folder.name}`")
+
+
 def debugging(argv: list[str] | None = None) -> bool:
     return "--debug" in (sys.argv if argv is None else argv) or os.environ.get("QEVOLVE_DEBUG", "") not in ("", "0")
 

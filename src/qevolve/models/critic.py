@@ -18,6 +18,7 @@ from torch import nn
 from qevolve.algos.rl import step_weights
 from qevolve.config import ModelConfig
 from qevolve.data.store import Trajectory
+from qevolve.errors import artifact
 from qevolve.models.base import causal_lm
 from qevolve.models.device import model_device
 from qevolve.models.policy import load_policy
@@ -71,7 +72,10 @@ def load_critic(base_dir: Path, cfg: ModelConfig, adapter: Path, trainable: bool
     critic = Critic(lm)
     heads = Path(adapter) / HEADS_FILE
     if heads.exists():
-        state = load_file(str(heads))
+        try:
+            state = load_file(str(heads))
+        except Exception as err:  # noqa: BLE001 - safetensors' own error type
+            raise artifact(heads, f"cannot read the critic's heads ({err})") from None
         for name in ("v", "q", "q_target"):
             getattr(critic, name).load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith(name + ".")})
     return critic, tok

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from qevolve.config import ModelConfig
+from qevolve.errors import artifact
 from qevolve.models.backend import HFBackend, RolloutBackend
 from qevolve.models.base import load_base
 from qevolve.models.prompt import PromptBuilder, format_action
@@ -62,7 +63,10 @@ def load_policy(base_dir: Path | str, cfg: ModelConfig, adapter: Path | str | No
     model, tok = load_base(base_dir, dtype, cfg.device)
     if adapter is None:
         return lora_model(model, cfg), tok
-    model = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
+    try:
+        model = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
+    except Exception as err:  # noqa: BLE001 - peft and safetensors raise many kinds for a missing or cut file
+        raise artifact(adapter, f"cannot load the LoRA adapter ({type(err).__name__}: {str(err)[:300]})") from err
     return (model if trainable else model.merge_and_unload()), tok
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qevolve.errors import artifact
+
 if TYPE_CHECKING:
     from qevolve.config import Params
     from qevolve.data.store import Trajectory
@@ -224,7 +226,10 @@ PROMPT_FILE = "prompt.json"  # saved beside the adapter so acting uses the promp
 
 
 def make_builder(params: Params, tokenizer, policy_dir: Path) -> PromptBuilder:
-    saved = json.loads((policy_dir / PROMPT_FILE).read_text())
+    try:
+        saved = json.loads((Path(policy_dir) / PROMPT_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise artifact(Path(policy_dir) / PROMPT_FILE, f"cannot read the prompt the policy was trained with ({err})") from None
     return PromptBuilder(tokenizer, params.model.context_tokens, saved["one_shot"], saved["repeat_task"], params.prompt.max_observation_tokens,
                          saved.get("intro", INSTRUCTION))
 
