@@ -18,6 +18,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from prefect import flow
 
@@ -92,6 +93,14 @@ def _evolve(root: str) -> dict:
     return results
 
 
+@flow(name="experiment")
+def experiment(profile: str = "", iterations: int | None = None, overrides: dict[str, Any] | None = None, name: str = "") -> dict:
+    """An evolution in a workspace of its own under runs/: a profile (empty: this checkout's params.yaml),
+    the number of iterations (empty: the file's), parameter overrides as dotted keys (e.g. {"bc.lr":
+    0.0005}, validated like params.yaml), and the workspace's name (empty: derived from the rest)."""
+    return evolve(str(experiment_workspace(profile, iterations, overrides, name)))
+
+
 def publish_table(iterations: int, run) -> None:
     """The evaluation table as a markdown artifact of this flow run (the Prefect UI's Artifacts tab),
     with where to find the evolution in MLflow."""
@@ -112,21 +121,32 @@ def peak_rss_gb() -> float:
     return max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 2**20
 
 
-def profile_workspace(name: str) -> Path:
-    """`runs/<name>/`, a workspace of its own for `profiles/<name>.yaml` (the code copied, its own DVC
-    repository and MLflow store), so that running a profile leaves the checkout's params.yaml and
-    dvc.lock alone. A synthetic WebShop catalogue is written there if the profile asks for one."""
+def experiment_workspace(profile: str = "", iterations: int | None = None, overrides: dict | None = None, name: str = "") -> Path:
+    """`runs/<name>/`, a workspace of its own (the code copied, its own DVC repository and MLflow store)
+    for `profiles/<profile>.yaml` (or this checkout's params.yaml) with `overrides` (dotted keys, as
+    `dvc exp run -S` takes them) and `iterations`, so that a run leaves the checkout's params.yaml and
+    dvc.lock alone and records its own lineage. The name defaults to the profile, plus a digest of the
+    changes when there are any. The parameters are validated before anything is written. A synthetic
+    WebShop catalogue is written there if they ask for one."""
+    import hashlib
+
     import yaml
 
-    from flows.table import prepare
+    from flows.table import prepare, set_dotted
+    from qevolve.config import parse_params
 
-    source = ROOT / "profiles" / f"{name}.yaml"
+    source = ROOT / "profiles" / f"{profile}.yaml" if profile else ROOT / "params.yaml"
     if not source.exists():
         known = sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml"))
-        raise SystemExit(f"--profile {name}: no {source}; expected one of {known}")
-    params = load_params(source)  # validated before anything is written
-    root = ROOT / "runs" / name
-    prepare(root, yaml.safe_load(source.read_text()))
+        raise SystemExit(f"profile {profile!r}: no {source}; expected one of {known}")
+    raw = yaml.safe_load(source.read_text())
+    changes = {**(overrides or {}), **({"evolve.iterations": iterations} if iterations is not None else {})}
+    for key, value in changes.items():
+        set_dotted(raw, key, value)
+    params = parse_params(raw, f"{source.name} with {changes}" if changes else source)
+    digest = hashlib.sha256(json.dumps(changes, sort_keys=True).encode()).hexdigest()[:8]
+    root = ROOT / "runs" / (name or (profile or "params") + (f"-{digest}" if changes else ""))
+    prepare(root, raw)
     shop = params.env.data_dir
     if params.env.name == "webshop" and shop == "data/webshop-synthetic" and not (root / shop / "items_human_ins.json").exists():
         from qevolve.envs.webshop_data import write_synthetic
@@ -142,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     start = time.perf_counter()
     try:
-        root = profile_workspace(args.profile) if args.profile else ROOT
+        root = experiment_workspace(args.profile) if args.profile else ROOT
         results = evolve(str(root))
     except UserError as err:  # bad parameters or data, a busy workspace: the message and a hint, no traceback
         if args.debug or debugging([]):

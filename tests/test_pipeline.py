@@ -247,11 +247,21 @@ def test_a_profile_runs_in_its_own_workspace_and_leaves_the_checkout_alone(tmp_p
 
     shutil.copytree(REPO / "profiles", tmp_path / "profiles")
     monkeypatch.setattr(flows.evolve, "ROOT", tmp_path)
-    root = flows.evolve.profile_workspace("webshop")
+    root = flows.evolve.experiment_workspace("webshop")
     assert root == tmp_path / "runs" / "webshop"
     assert yaml.safe_load((root / "params.yaml").read_text()) == yaml.safe_load((REPO / "profiles" / "webshop.yaml").read_text())
     assert (root / ".dvc").is_dir() and (root / "src" / "qevolve" / "cli.py").exists()
     assert (root / "data" / "webshop-synthetic" / "items_human_ins.json").exists()
     assert not (tmp_path / "params.yaml").exists()  # nothing written outside runs/webshop
     with pytest.raises(SystemExit, match="no .*nosuch.yaml; expected one of"):
-        flows.evolve.profile_workspace("nosuch")
+        flows.evolve.experiment_workspace("nosuch")
+    # From the Prefect UI's form: a profile, iterations and overrides, validated, in a workspace named by them.
+    tuned = flows.evolve.experiment_workspace("textcraft", 2, {"bc.lr": 0.0005})
+    assert tuned.parent == tmp_path / "runs" and tuned.name.startswith("textcraft-")
+    params = yaml.safe_load((tuned / "params.yaml").read_text())
+    assert params["bc"]["lr"] == 0.0005 and params["evolve"]["iterations"] == 2
+    from qevolve.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"bc.lr: Input should be greater than 0"):
+        flows.evolve.experiment_workspace("textcraft", None, {"bc.lr": -1})
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(["webshop", tuned.name])  # nothing written for the bad one
