@@ -19,18 +19,19 @@ class DeviceError(UserError, ValueError):
 
 
 def resolve_device(setting: str = "auto") -> torch.device:
+    key = "QEVOLVE_DEVICE" if os.environ.get("QEVOLVE_DEVICE") else "model.device"
     setting = os.environ.get("QEVOLVE_DEVICE") or setting
     if setting == "auto":
         setting = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(setting)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise DeviceError(f"model.device: {setting!r} asked for, but torch {torch.__version__} sees no CUDA device; "
+            raise DeviceError(f"{key}: {setting!r} asked for, but torch {torch.__version__} sees no CUDA device; "
                               "use `auto` or `cpu`")
         if device.index is None:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         if device.index >= torch.cuda.device_count():
-            raise DeviceError(f"model.device: {setting!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+            raise DeviceError(f"{key}: {setting!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) are visible")
     return device
 
 
