@@ -35,8 +35,8 @@ def test_bad_device_is_refused_at_load():
 
 
 def test_where_a_stage_computes_is_not_part_of_its_lineage():
-    cpu = parse_params({"model": {"device": "cpu"}, "evolve": {"iterations": 1}})
-    gpu = parse_params({"model": {"device": "cuda:0"}, "train": {"processes": 4}, "evolve": {"iterations": 1}})
+    cpu = parse_params({"model": {"device": "cpu", "dtype": "auto"}, "evolve": {"iterations": 1}})
+    gpu = parse_params({"model": {"device": "cuda:0", "dtype": "auto"}, "train": {"processes": 4}, "evolve": {"iterations": 1}})
     assert lineage_dump(cpu) == lineage_dump(gpu)
     assert dvcfile.render(cpu) == dvcfile.render(gpu)
     assert "model.device" not in dvcfile.render(cpu) and "train" not in str(dvcfile.spec(cpu)["stages"]["bc"]["params"])

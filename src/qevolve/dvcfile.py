@@ -152,7 +152,21 @@ def spec(params: Params) -> dict:
         [*code("evaluate"), str(paths.BASE), "${item.policy}", "${item.steps_before}"],
         [*ACTING_PARAMS, "evaluate"], ["data/evaluate@${key}"],
     )
+    for stage in stages.values():
+        body = stage.get("do", stage)
+        body["params"] = [key for key in body["params"] if _given(params, key)]
     return {"stages": stages}
+
+
+def _given(params: Params, key: str) -> bool:
+    """Whether the params file sets `key` (DVC refuses a params dep the file lacks). A key left out takes
+    config.py's default, and config.py is among every stage's code deps, so the lineage still covers it."""
+    node = params
+    for part in key.split("."):
+        if part not in getattr(node, "model_fields_set", ()):
+            return False
+        node = getattr(node, part)
+    return True
 
 
 def render(params: Params) -> str:
