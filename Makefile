@@ -19,8 +19,9 @@ LOCAL_SPLITS := $(wildcard ../shared/data/splits)
 ifneq ($(LOCAL_SPLITS),)
 export QEVOLVE_SPLITS ?= $(abspath $(LOCAL_SPLITS))
 endif
-# `make quickstart PROFILE=textcraft` (or scienceworld, webshop, alfworld, smollm2) runs profiles/$(PROFILE).yaml
-# in its own workspace, runs/$(PROFILE)/, leaving params.yaml as it is; without PROFILE, params.yaml is used.
+# `make quickstart` runs params.yaml in its own workspace, runs/quickstart/, so the checkout stays as
+# committed; `make quickstart PROFILE=textcraft` (or scienceworld, webshop, alfworld, smollm2) runs
+# profiles/$(PROFILE).yaml in runs/$(PROFILE)/.
 PROFILE ?=
 
 .PHONY: setup quickstart test test-slow test-all
@@ -28,7 +29,7 @@ setup:
 	./scripts/setup.sh
 
 quickstart: setup
-	PYTHONPATH=. .venv/bin/python -m flows.evolve $(if $(PROFILE),--profile $(PROFILE))
+	PYTHONPATH=. .venv/bin/python -m flows.evolve --workspace $(or $(PROFILE),quickstart) $(if $(PROFILE),--profile $(PROFILE))
 
 test: setup
 	PYTHONPATH=. .venv/bin/python -m pytest -m "not slow"

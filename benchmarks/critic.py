@@ -6,7 +6,7 @@ encodes each step's own prefix (history up to action t) separately. The trajecto
 episodes sampled from the workspace's trained policy on train games; the benchmark fails if any value
 differs by more than 1e-4.
 
-    python -m benchmarks.critic [--workspace .] [--episodes 8] [--max-steps 20] [--repeats 3]
+    python -m benchmarks.critic [--workspace runs/quickstart] [--episodes 8] [--max-steps 20] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def max_difference(a: dict, b: dict) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workspace", type=Path, default=Path("."), help="holds params.yaml, models/base and models/bc")
+    ap.add_argument("--workspace", type=Path, default=Path("runs/quickstart"), help="holds params.yaml, models/base and models/bc")
     ap.add_argument("--episodes", type=int, default=8)
     ap.add_argument("--max-steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3, help="timings are the median of this many runs")

@@ -6,7 +6,7 @@ scratch folder without its iteration outputs, runs the flow there so that exactl
 and prints the timing the flow recorded (`metrics/timing@1.json`): each stage function's own time, and
 the iteration's wall time around them.
 
-    python -m benchmarks.overhead [--workspace .] [--keep]
+    python -m benchmarks.overhead [--workspace runs/quickstart] [--keep]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ SKIP = {".venv", "mlruns", "mlflow.db", ".pytest_cache", "__pycache__"}
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workspace", type=Path, default=Path("."))
+    ap.add_argument("--workspace", type=Path, default=Path("runs/quickstart"))
     ap.add_argument("--keep", action="store_true", help="keep the scratch copy")
     args = ap.parse_args(argv)
     ws = args.workspace.resolve()
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     params = (copy / "params.yaml").read_text()
     (copy / "params.yaml").write_text(re.sub(r"(?m)^(\s+iterations:).*$", r"\1 1", params))
     print(f"running iteration 1 in {copy} ...", flush=True)
-    done = subprocess.run([sys.executable, "-m", "flows.evolve"], cwd=copy, env={**os.environ, "PYTHONPATH": str(copy)})
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "flows.evolve", "--root", str(copy)], cwd=copy, env={**os.environ, "PYTHONPATH": str(repo)})
     timing_file = copy / "metrics" / "timing@1.json"
     if done.returncode or not timing_file.exists():
         sys.exit(f"the flow failed (exit {done.returncode}); scratch copy kept at {copy}")

@@ -10,7 +10,7 @@ a workspace (run `make quickstart` first), its adapter merged into the weights a
 loads it, and read ALFWorld's kept game translations from a disk cache filled before timing, as every
 stage after the first does. The benchmark fails if any run takes a different action than the naive loop.
 
-    python -m benchmarks.rollout [--workspace .] [--episodes 16] [--max-steps 10] [--mode admissible free]
+    python -m benchmarks.rollout [--workspace runs/quickstart] [--episodes 16] [--max-steps 10] [--mode admissible free]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from benchmarks import workspace_params
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workspace", type=Path, default=Path("."), help="holds params.yaml, models/base and models/bc")
+    ap.add_argument("--workspace", type=Path, default=Path("runs/quickstart"), help="holds params.yaml, models/base and models/bc")
     ap.add_argument("--episodes", type=int, default=16)
     ap.add_argument("--max-steps", type=int, default=10)
     ap.add_argument("--mode", nargs="+", default=["admissible", "free"], choices=["admissible", "free"])

@@ -8,7 +8,7 @@ micro-batch into rows of `model.context_tokens` tokens (`bc.pack`); `unpadded` r
 forward pass (micro-batches of 1, `bc.micro_batch_size: 1`), so nothing is padded. Tokens/s counts real tokens only.
 The benchmark fails if the first step's loss differs between them.
 
-    python -m benchmarks.train [--workspace .] [--steps 30] [--batch-size 8] [--micro-batch-size 4]
+    python -m benchmarks.train [--workspace runs/quickstart] [--steps 30] [--batch-size 8] [--micro-batch-size 4]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from benchmarks import workspace_params
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workspace", type=Path, default=Path("."), help="holds params.yaml, models/base and data/experts")
+    ap.add_argument("--workspace", type=Path, default=Path("runs/quickstart"), help="holds params.yaml, models/base and data/experts")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--micro-batch-size", type=int, default=4)

@@ -2,13 +2,12 @@
 admissible choice, with no training at all (a fresh LoRA adapter, whose B matrices are zero, leaves the
 base unchanged). The row a pretrained base (`model.base: smollm2`) is compared against after BC.
 
-    python -m benchmarks.zero_shot [--workspace .] [--out metrics/zero_shot.json]
+    python -m benchmarks.zero_shot [--workspace runs/quickstart] [--out metrics/zero_shot.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -18,7 +17,7 @@ from benchmarks import workspace_params
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workspace", type=Path, default=Path("."), help="holds params.yaml and models/base")
+    ap.add_argument("--workspace", type=Path, default=Path("runs/quickstart"), help="holds params.yaml and models/base")
     ap.add_argument("--out", type=Path, default=None, help="metrics file to write (default: <workspace>/metrics/zero_shot.json)")
     args = ap.parse_args(argv)
     from qevolve.models.policy import Actor, load_policy

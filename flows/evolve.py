@@ -5,8 +5,9 @@ Each stage is a task that DVC skips when its inputs are unchanged, so a second r
 killed run resumes at the first unfinished stage. MLflow gets one parent run per evolution and one child
 run per iteration. Run it from the workspace root:
 
-    python -m flows.evolve                    # this checkout's params.yaml, in this checkout
-    python -m flows.evolve --profile smollm2  # profiles/smollm2.yaml, in its own workspace runs/smollm2/
+    python -m flows.evolve                            # this checkout's params.yaml, in this checkout
+    python -m flows.evolve --workspace quickstart     # params.yaml, in its own workspace runs/quickstart/ (`make quickstart`)
+    python -m flows.evolve --profile smollm2          # profiles/smollm2.yaml, in runs/smollm2/
 """
 
 from __future__ import annotations
@@ -158,11 +159,13 @@ def experiment_workspace(profile: str = "", iterations: int | None = None, overr
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Run the evolution of a workspace as a Prefect flow.")
     ap.add_argument("--profile", help="run profiles/NAME.yaml in its own workspace, runs/NAME/ (this checkout's files are left alone)")
+    ap.add_argument("--workspace", help="run in runs/NAME/, a workspace of its own (params.yaml's, or --profile's, parameters)")
+    ap.add_argument("--root", type=Path, default=ROOT, help="an existing workspace to run in (default: this checkout)")
     ap.add_argument("--debug", action="store_true", help="show the traceback of a known error")
     args = ap.parse_args(argv)
     start = time.perf_counter()
     try:
-        root = experiment_workspace(args.profile) if args.profile else ROOT
+        root = experiment_workspace(args.profile or "", name=args.workspace or "") if args.profile or args.workspace else args.root.resolve()
         results = evolve(str(root))
     except UserError as err:  # bad parameters or data, a busy workspace: the message and a hint, no traceback
         if args.debug or debugging([]):
@@ -180,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         if timing.exists() and any(name.endswith(f"@{k}") for name in ran):
             t = json.loads(timing.read_text())
             print(f"iteration {k}: {t['wall_s']:.0f}s, of which {t['overhead_share']:.1%} in Prefect, DVC and MLflow")
-    print("Where to look next" + (f" (in {root.relative_to(ROOT)}/):" if root != ROOT else ":"))
+    where = "" if root == ROOT else f" (in {root.relative_to(ROOT) if root.is_relative_to(ROOT) else root}/)"
+    print(f"Where to look next{where}:")
     print("  mlflow ui --backend-store-uri sqlite:///mlflow.db   # runs, metrics, adapter, trajectories")
     print("  dvc dag && dvc metrics show && dvc plots show        # lineage and results")
     print("  prefect server start                                 # flow runs in the Prefect UI")
