@@ -74,7 +74,8 @@ def code_deps(stage: str) -> list[str]:
         parts = name.split(".")
         todo += [(".".join(parts[:i]), False) for i in range(1, len(parts)) if ".".join(parts[:i]) not in ENTRY_POINTS]
         todo += [(m, m in ENTRY_POINTS) for m in _imports(_module_file(name), module_level_only=shallow)]
-    return sorted(f"{SRC}/{_module_file(m).relative_to(PACKAGE).as_posix()}" for m in seen)
+    # An empty `__init__.py` is left out (DVC warns about empty deps); one that gains code is listed again.
+    return sorted(f"{SRC}/{f.relative_to(PACKAGE).as_posix()}" for f in map(_module_file, seen) if f.stat().st_size)
 
 
 def _stage(cmd: str, deps: list[str], params: list[str], outs: list, metrics: str, plot: dict | None = None) -> dict:
