@@ -6,6 +6,10 @@ export HF_HUB_OFFLINE ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DVC_NO_ANALYTICS ?= 1
 export MLFLOW_DISABLE_TELEMETRY ?= true
+# Prefect's temporary API server gets 20 s to start by default; its first start creates its database,
+# and on a busy 2-core machine that took longer (the flow then fails with "Timed out while attempting to
+# connect to ephemeral Prefect API server"; seen 2026-11-30).
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 # On a machine without internet, a local copy of ALFWorld's games archive (used only if ALFWORLD_DATA
 # does not already hold the games).
