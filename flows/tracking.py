@@ -20,7 +20,7 @@ from qevolve.data.store import read_store
 from qevolve.data.advantages import read_advantages
 
 SAMPLE_TRAJECTORIES = 4
-PLACEMENT = ("device", "dtype", "processes")
+PLACEMENT = ("device", "dtype", "processes", "sharded")
 """Metrics keys that say where a stage computed (`qevolve.models.device.placement`): tags, not metrics."""
 
 

@@ -16,17 +16,15 @@ from conftest import REPO
 WORKER = REPO / "benchmarks" / "ddp_train.py"
 
 
-def _train(tiny_base, out: Path, processes: int) -> dict:
+def _train(tiny_base, out: Path, processes: int, *options: str, status: int = 0) -> dict | None:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*launcher, str(WORKER), str(tiny_base), str(out)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(out)
+    done = subprocess.run([*launcher, str(WORKER), str(tiny_base), str(out), *options], env=env, capture_output=True, text=True, timeout=300)
+    assert (done.returncode == 0) == (status == 0), done.stderr[-3000:]
+    return torch.load(out) if status == 0 else None
 
 
-def test_two_processes_compute_the_same_updates_as_one(tiny_base, tmp_path):
-    one = _train(tiny_base, tmp_path / "one.pt", 1)
-    two = _train(tiny_base, tmp_path / "two.pt", 2)
+def _assert_same_training(one: dict, two: dict) -> None:
     assert len(one["curve"]) == len(two["curve"]) == 4  # 2 epochs of 2 batches (6 windows, 3 per batch)
     for a, b in zip(one["curve"], two["curve"]):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
@@ -34,6 +32,27 @@ def test_two_processes_compute_the_same_updates_as_one(tiny_base, tmp_path):
     assert one["params"].keys() == two["params"].keys()
     worst = max(float((one["params"][n] - two["params"][n]).abs().max()) for n in one["params"])
     assert worst < 1e-6, worst
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_base, tmp_path_factory) -> dict:
+    return _train(tiny_base, tmp_path_factory.mktemp("one") / "one.pt", 1)
+
+
+def test_two_processes_compute_the_same_updates_as_one(tiny_base, tmp_path, one_process):
+    _assert_same_training(one_process, _train(tiny_base, tmp_path / "two.pt", 2))
+
+
+def test_a_model_sharded_across_two_processes_computes_the_same_updates_as_one(tiny_base, tmp_path, one_process):
+    # 3 micro-batches per step: rank 1 reruns one with weight 0, since a sharded model's passes are collective.
+    _assert_same_training(one_process, _train(tiny_base, tmp_path / "two.pt", 2, "--shard"))
+
+
+def test_a_killed_sharded_run_resumes_from_its_checkpoint_to_the_same_result(tiny_base, tmp_path, one_process):
+    checkpoint = tmp_path / "checkpoint.pt"
+    _train(tiny_base, tmp_path / "killed.pt", 2, "--shard", "--checkpoint", str(checkpoint), "--stop-after", "2", status=3)
+    assert len(torch.load(checkpoint, weights_only=False)["curve"]) == 1  # saved after step 1, killed in step 2
+    _assert_same_training(one_process, _train(tiny_base, tmp_path / "resumed.pt", 2, "--shard", "--checkpoint", str(checkpoint)))
 
 
 def _child_takes_lock(root: Path, env: dict) -> subprocess.CompletedProcess:

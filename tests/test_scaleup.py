@@ -68,18 +68,23 @@ def test_smollm2_loads_from_its_gguf_file_once_and_trains(tmp_path, monkeypatch)
 
 
 @pytest.mark.slow
-def test_multi_process_trainers_run_from_dvc_repro_and_from_the_flow(tmp_path, alfworld_data):
+def test_multi_process_trainers_copied_and_sharded_run_from_dvc_repro_and_from_the_flow(tmp_path, alfworld_data):
     ws = _workspace(tmp_path, train={"processes": 2})
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run([DVC, "repro", "bc"], cwd=ws, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "another qevolve process" not in done.stdout + done.stderr
     assert json.loads((ws / "metrics" / "bc.json").read_text())["processes"] == 2
-    out = _finish(_flow(ws))  # bc is current; the flow runs the iteration's trainers in 2 processes each
+    # The iteration's trainers shard their model across the 2 processes (FSDP); how a stage trains is not
+    # part of its lineage, so bc stays current.
+    params = yaml.safe_load((ws / "params.yaml").read_text())
+    params["train"]["shard"] = True
+    (ws / "params.yaml").write_text(yaml.safe_dump(params))
+    out = _finish(_flow(ws))
+    ran = out.split("stages run:")[1].split(";")[0].strip().split(", ")
+    assert "critic@1" in ran and "bc" not in ran, ran
     for stage in ("critic@1", "policy@1"):
-        assert json.loads((ws / "metrics" / f"{stage}.json").read_text())["processes"] == 2, stage
-    assert "stages run:" in out
+        placed = json.loads((ws / "metrics" / f"{stage}.json").read_text())
+        assert placed["processes"] == 2 and placed["sharded"] is True, stage
     status = subprocess.run([DVC, "status"], cwd=ws, capture_output=True, text=True, check=True).stdout
     assert "up to date" in status, status
-    params = yaml.safe_load((ws / "params.yaml").read_text())
-    assert params["train"] == {"processes": 2}

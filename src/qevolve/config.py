@@ -316,6 +316,10 @@ class TrainRunConfig(Section):
     """Data-parallel processes (torch.distributed, launched with `torchrun` by `qevolve run`): each
     optimiser batch's micro-batches are shared out by rank and the gradients summed across ranks; rank 0
     writes the artifact and checkpoints. One GPU per process on a GPU machine (gloo on a CPU)."""
+    shard: bool = False
+    """With several processes, shard the model (FSDP2) instead of copying it into each: each process
+    loads it on the CPU and keeps 1/N of its weights, gradients and optimiser state on its device, for a
+    base too large for one GPU. The update is the same as unsharded (to float rounding)."""
 
 
 class MlflowConfig(Section):

@@ -15,7 +15,7 @@ from qevolve.config import Params
 from qevolve.data.store import Trajectory
 from qevolve.models.device import model_device
 from qevolve.models.prompt import Window
-from qevolve.training import local_share, pad_ids
+from qevolve.training import is_sharded, local_share, pad_ids
 
 
 
@@ -71,7 +71,7 @@ def policy_step(model, micro: list[list[PolicyItem]], params: Params, pad_id: in
     n_tokens = sum(b - a for mb in micro for it in mb for a, b in it.spans)
     sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio": 0.0}
     device = model_device(model)
-    for mb in local_share(micro):
+    for mb, scale in local_share(micro, even=is_sharded(model)):
         new_tokens = step_token_logps(model, mb, pad_id)
         logp_new = torch.stack([lp.sum() for per in new_tokens for lp in per])
         logp_b = torch.cat([it.behavior for it in mb]).to(device)
@@ -83,10 +83,11 @@ def policy_step(model, micro: list[list[PolicyItem]], params: Params, pad_id: in
             logp_new, logp_b, adv, tok_new, tok_ref, algo=cfg.algo, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
             kl_coef=cfg.kl_coef, awr_beta=cfg.awr_beta, awr_max_weight=cfg.awr_max_weight, step_share=share, token_share=len(tok_new) / n_tokens,
         )
-        loss.backward()
-        sums["loss"] += loss.item()
+        (loss * scale).backward()
+        share *= scale
+        sums["loss"] += loss.item() * scale
         sums["pg_loss"] += pg.item() * share
-        sums["kl"] += kl.item() * len(tok_new) / n_tokens
+        sums["kl"] += kl.item() * len(tok_new) / n_tokens * scale
         sums["clip_fraction"] += float(clip_fraction(logp_new.detach(), logp_b, cfg.clip_low, cfg.clip_high)) * share
         sums["ratio"] += float(torch.exp(logp_new.detach() - logp_b).mean()) * share
     return sums

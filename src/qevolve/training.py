@@ -6,7 +6,13 @@ gradients are summed across ranks before the optimiser step. Each step function 
 over the whole batch (not its share), so the sum is the one-process gradient: N processes compute the
 same update as one, to float rounding. Summing by hand rather than through DDP's wrapper keeps that
 exact when ranks run different numbers of micro-batches (DDP averages, and hangs on uneven backward
-counts under gradient accumulation). Rank 0 writes checkpoints and artifacts."""
+counts under gradient accumulation). Rank 0 writes checkpoints and artifacts.
+
+Sharded (`train.shard`, FSDP2's `fully_shard`): each process loads the model on the CPU (`loading_config`)
+and keeps only its share of every weight, gradient and optimiser state on its device (`shard`); the
+weights are gathered layer by layer for each forward and backward pass, and the gradients come back
+summed and sharded. Every rank then runs the same number of micro-batches (a rank short of one reruns
+the first with weight 0), and every pass over the model (reference log-probs, values) runs on all ranks."""
 
 from __future__ import annotations
 
@@ -22,13 +28,14 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import torch
 from tqdm import tqdm
 
-from qevolve.config import TrainConfig
+from qevolve.config import ModelConfig, TrainConfig, TrainRunConfig
 from qevolve.data.atomic import atomic_path
-from qevolve.models.device import resolve_device
+from qevolve.models.device import model_device, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+M = TypeVar("M", bound=torch.nn.Module)
 
 
 def pad_ids(seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,10 +63,62 @@ def is_main() -> bool:
     return rank_and_world()[0] == 0
 
 
-def local_share(micro: list[list[T]]) -> list[list[T]]:
-    """The micro-batches of an optimiser batch that this rank runs (all of them in one process)."""
+def local_share(micro: list[list[T]], even: bool = False) -> list[tuple[list[T], float]]:
+    """The micro-batches of an optimiser batch that this rank runs (all of them in one process), each
+    with the weight of its loss: 1, or 0 for the copy of the first that a rank short of micro-batches
+    runs when `even` (a sharded model's passes are collective: every rank must make as many)."""
     rank, world = rank_and_world()
-    return micro[rank::world]
+    mine = [(mb, 1.0) for mb in micro[rank::world]]
+    if even:
+        mine += [(micro[0], 0.0)] * (-(-len(micro) // world) - len(mine))
+    return mine
+
+
+def loading_config(cfg: ModelConfig, run: TrainRunConfig) -> ModelConfig:
+    """The model settings to load a trainer's model with: as given, or, when it is to be sharded, on the
+    CPU in the dtype it will have on its device (`shard` moves each process's share there)."""
+    if not (run.shard and rank_and_world()[1] > 1):
+        return cfg
+    dtype = cfg.dtype
+    if dtype == "auto":  # as `load_policy` would choose on the target device
+        dtype = "float32" if cfg.lora.train_embeddings else str(resolve_dtype("auto", resolve_device(cfg.device))).removeprefix("torch.")
+    return cfg.model_copy(update={"device": "cpu", "dtype": dtype})
+
+
+def shard(model: M, run: TrainRunConfig, device_setting: str) -> M:
+    """Shard `model` across the processes (FSDP2: one unit per decoder layer, the rest in the root unit)
+    onto this rank's device, when `train.shard` is set and there are several processes; else return it
+    as it is. FSDP averages the gradients across ranks; `train` multiplies them back into the sum (each
+    loss is normalised over the whole batch already). (A divide factor of 1 would sum them directly,
+    but through a reduce operation that gloo lacks.)"""
+    world = rank_and_world()[1]
+    if not (run.shard and world > 1):
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    layers = {name for m in model.modules() for name in getattr(m, "_no_split_modules", None) or ()}
+    mesh = init_device_mesh(resolve_device(device_setting).type, (world,))
+    for module in [m for m in model.modules() if type(m).__name__ in layers]:
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """What training changed in a sharded model (`changing_tensors`), gathered whole onto the CPU: a
+    collective, every rank calls it; for `save_pretrained(state_dict=...)`. None for a model that is
+    not sharded (its own state is whole)."""
+    if not is_sharded(model):
+        return None
+    names = changing_tensors(model)
+    return {n: t.full_tensor().cpu() for n, t in model.state_dict().items() if n in names}
 
 
 @contextmanager
@@ -81,7 +140,7 @@ def process_group(device_setting: str) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _sum_across_ranks(params: list[torch.nn.Parameter], metrics: dict) -> dict:
+def _sum_across_ranks(params: list[torch.nn.Parameter], metrics: dict, device: torch.device) -> dict:
     """Sum every parameter's gradient and every numeric metric over the ranks, in one all-reduce."""
     import torch.distributed as dist
 
@@ -89,7 +148,7 @@ def _sum_across_ranks(params: list[torch.nn.Parameter], metrics: dict) -> dict:
         if p.grad is None:  # a rank with no micro-batch in this step
             p.grad = torch.zeros_like(p)
     keys = [k for k, v in metrics.items() if isinstance(v, (int, float))]
-    flat = torch.cat([p.grad.flatten().float() for p in params] + [torch.tensor([float(metrics[k]) for k in keys], device=params[0].device)])
+    flat = torch.cat([p.grad.flatten().float() for p in params] + [torch.tensor([float(metrics[k]) for k in keys], device=device)])
     dist.all_reduce(flat)
     at = 0
     for p in params:
@@ -169,6 +228,11 @@ def train(
     Returns the curve: one dict of metrics per optimiser step."""
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
+    sharded = is_sharded(model)
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+        )
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps_per_epoch = -(-len(items) // cfg.batch_size)
@@ -177,15 +241,20 @@ def train(
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min((s + 1) / warmup, max(0.0, (total - s) / max(1, total - warmup)))
     )
-    key = fingerprint(desc, cfg.model_dump(exclude={"checkpoint_every"}), [length(it) for it in items], inputs)
+    # A sharded run's checkpoint keys its optimiser state by parameter name, an unsharded one's by index.
+    key = fingerprint(desc, cfg.model_dump(exclude={"checkpoint_every"}), [length(it) for it in items], inputs, *["sharded"] * sharded)
     saved = changing_tensors(model)
     curve: list[dict] = []
     epoch, skip, epoch_rng = 0, 0, rng.getstate()
     if checkpoint is not None and checkpoint.exists():
         state = torch.load(checkpoint, weights_only=False, map_location="cpu")
         if state["fingerprint"] == key:
-            model.load_state_dict(state["model"], strict=False)
-            optimizer.load_state_dict(state["optimizer"])
+            if sharded:
+                set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True, strict=False))
+                set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+            else:
+                model.load_state_dict(state["model"], strict=False)
+                optimizer.load_state_dict(state["optimizer"])
             schedule.load_state_dict(state["schedule"])
             torch.set_rng_state(state["torch_rng"])
             epoch, skip, epoch_rng, curve = state["epoch"], state["batch"], state["epoch_rng"], state["curve"]
@@ -196,18 +265,21 @@ def train(
     rank, world = rank_and_world()
 
     def save(epoch: int, batch: int, epoch_rng) -> None:
-        if rank != 0:
-            torch.distributed.barrier()  # wait until rank 0 has written it
-            return
-        state = {
-            "fingerprint": key, "model": {n: t.detach().clone() for n, t in model.state_dict().items() if n in saved},
-            "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "torch_rng": torch.get_rng_state(),
-            "epoch": epoch, "batch": batch, "epoch_rng": epoch_rng, "curve": curve,
-        }
-        with atomic_path(checkpoint) as tmp:
-            torch.save(state, tmp)
+        if sharded:  # gathered whole on rank 0 (collectives: every rank takes part)
+            weights = full_state(model)
+            moments = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        elif rank == 0:
+            weights = {n: t.detach().clone() for n, t in model.state_dict().items() if n in saved}
+            moments = optimizer.state_dict()
+        if rank == 0:
+            state = {
+                "fingerprint": key, "model": weights, "optimizer": moments, "schedule": schedule.state_dict(),
+                "torch_rng": torch.get_rng_state(), "epoch": epoch, "batch": batch, "epoch_rng": epoch_rng, "curve": curve,
+            }
+            with atomic_path(checkpoint) as tmp:
+                torch.save(state, tmp)
         if world > 1:
-            torch.distributed.barrier()
+            torch.distributed.barrier()  # the others wait until rank 0 has written it
 
     model.train()
     with tqdm(total=total, initial=len(curve), desc=desc, unit="step", disable=rank != 0) as bar:
@@ -218,8 +290,11 @@ def train(
                     continue
                 optimizer.zero_grad(set_to_none=True)
                 metrics = step(micro)
+                if sharded:  # FSDP averaged the gradients: back to their sum
+                    for p in params:
+                        p.grad.mul_(world)
                 if world > 1:
-                    metrics = _sum_across_ranks(params, metrics)
+                    metrics = _sum_across_ranks([] if sharded else params, metrics, model_device(model))
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
                 schedule.step()

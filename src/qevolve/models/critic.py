@@ -55,11 +55,13 @@ class Critic(nn.Module):
         for t, p in zip(self.q_target.parameters(), self.q.parameters()):
             t.lerp_(p, rate)
 
-    def save(self, out: Path) -> None:
+    def save(self, out: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Adapter and heads into `out`; from `state` (`qevolve.training.full_state`) for a sharded critic."""
         from safetensors.torch import save_file
 
-        self.lm.save_pretrained(out)
-        heads = {f"{name}.{k}": v.detach().contiguous() for name in ("v", "q", "q_target") for k, v in getattr(self, name).state_dict().items()}
+        state = state if state is not None else {n: t.detach() for n, t in self.state_dict().items()}
+        self.lm.save_pretrained(out, state_dict={n.removeprefix("lm."): t for n, t in state.items() if n.startswith("lm.")})
+        heads = {n: t.contiguous() for n, t in state.items() if n.split(".", 1)[0] in ("v", "q", "q_target")}
         save_file(heads, str(out / HEADS_FILE))
 
 

@@ -15,7 +15,9 @@ from qevolve.envs import check_tasks, make_env
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import INTRODUCTIONS, PROMPT_FILE, PromptBuilder, build_examples
 from qevolve.models.device import model_device, placement
-from qevolve.training import checkpoint_path, input_digest, is_main, last_epoch_mean, local_share, packed_rows, pad_ids, train
+from qevolve.training import (
+    checkpoint_path, full_state, input_digest, is_main, is_sharded, last_epoch_mean, loading_config, local_share, packed_rows, pad_ids, shard, train,
+)
 
 
 def one_shot_text(trajs: list[Trajectory]) -> str:
@@ -35,7 +37,7 @@ def bc_step(model, micro: list[list[tuple[list[int], list[int]]]], pad_id: int, 
     total = sum(sum(m[1:]) for mb in micro for _, m in mb)
     device = model_device(model)
     loss_sum = 0.0
-    for mb in local_share(micro):
+    for mb, scale in local_share(micro, even=is_sharded(model)):
         if pack_tokens:
             ids, mask, pos = (t.to(device) for t in packed_rows([x for x, _ in mb], [m for _, m in mb], pack_tokens, pad_id))
             logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
@@ -44,7 +46,7 @@ def bc_step(model, micro: list[list[tuple[list[int], list[int]]]], pad_id: int, 
             mask, _ = pad_ids([m for _, m in mb], 0, device)
             logits = model(input_ids=ids, attention_mask=attn).logits
         weight = int(mask[:, 1:].sum()) / max(total, 1)
-        loss = masked_nll(logits, ids, mask) * weight
+        loss = masked_nll(logits, ids, mask) * weight * scale
         loss.backward()
         loss_sum += float(loss.detach())
     return {"loss": loss_sum}
@@ -56,7 +58,8 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
     if not trajs:
         raise ValueError(f"{experts_dir}: no expert trajectories to clone")
     check_tasks(make_env(params.env), trajs, str(experts_dir))
-    model, tok = load_policy(base_dir, params.model)
+    model, tok = load_policy(base_dir, loading_config(params.model, params.train))
+    model = shard(model, params.train, params.model.device)
     one_shot = one_shot_text(trajs) if params.prompt.one_shot else ""
     builder = PromptBuilder(tok, params.model.context_tokens, one_shot, params.prompt.repeat_task, params.prompt.max_observation_tokens,
                             INTRODUCTIONS[params.env.name])
@@ -67,10 +70,11 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
                   checkpoint=checkpoint_path(out), inputs=input_digest(experts_dir))
     elapsed = time.perf_counter() - start
     tokens = cfg.epochs * sum(len(ids) for ids, _ in examples)
+    state = full_state(model)
     if not is_main():
         return {}
     with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=state)
         (tmp / PROMPT_FILE).write_text(json.dumps({"one_shot": one_shot, "repeat_task": params.prompt.repeat_task, "intro": builder.intro}) + "\n")
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),

@@ -19,7 +19,9 @@ from qevolve.models.critic import Critic, CriticItem, critic_items, critic_value
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PROMPT_FILE, make_builder
 from qevolve.models.device import model_device, placement
-from qevolve.training import checkpoint_path, input_digest, is_main, last_epoch_mean, local_share, pad_ids, train
+from qevolve.training import (
+    checkpoint_path, full_state, input_digest, is_main, is_sharded, last_epoch_mean, loading_config, local_share, pad_ids, shard, train,
+)
 
 
 def critic_step(critic: Critic, micro: list[list[CriticItem]], gamma: float, tau: float, pad_id: int) -> dict:
@@ -27,7 +29,7 @@ def critic_step(critic: Critic, micro: list[list[CriticItem]], gamma: float, tau
     n_weight = sum(float(it.weights[s]) for mb in micro for it in mb for s, (_, q) in read_positions(it).items() if q >= 0)
     sums = {"loss": 0.0, "v_loss": 0.0, "q_loss": 0.0}
     device = model_device(critic)
-    for mb in local_share(micro):
+    for mb, scale in local_share(micro, even=is_sharded(critic)):
         ids, attn = pad_ids([it.window.ids for it in mb], pad_id, device)
         v, q, q_target = critic(ids, attn)
         rows, v_pos, q_pos, next_pos, r, notdone, w = [], [], [], [], [], [], []
@@ -51,6 +53,7 @@ def critic_step(critic: Critic, micro: list[list[CriticItem]], gamma: float, tau
             v[rows_t, index(v_pos)], q[rows_t, q_pos_t], q_target[rows_t, q_pos_t], v[rows_t, index(next_pos)],
             values(r), values(notdone), values(w), gamma, tau, n_weight,
         )
+        v_loss, q_loss = v_loss * scale, q_loss * scale
         (v_loss + q_loss).backward()
         sums["v_loss"] += v_loss.item()
         sums["q_loss"] += q_loss.item()
@@ -62,11 +65,13 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, out
     cfg = params.critic
     torch.manual_seed(cfg.seed)
     trajs = read_store(data_dir)
+    load = loading_config(params.model, params.train)
     if cfg.init_from_policy:
-        model, tok = load_critic(base_dir, params.model, policy_dir, trainable=True)
+        model, tok = load_critic(base_dir, load, policy_dir, trainable=True)
     else:
-        lm, tok = load_policy(base_dir, params.model)
+        lm, tok = load_policy(base_dir, load)
         model = Critic(lm)
+    model = shard(model, params.train, params.model.device)
     builder = make_builder(params, tok, policy_dir)
     items = critic_items(builder, trajs, cfg.weighted)
     start = time.perf_counter()
@@ -77,11 +82,13 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, out
         inputs=input_digest(policy_dir, data_dir),
     )
     elapsed = time.perf_counter() - start
+    state = full_state(model)
+    if is_sharded(model) or is_main():  # a sharded model's passes take every rank
+        values = critic_values(model, items, tok.pad_token_id, cfg.micro_batch_size)
     if not is_main():
         return {}
-    values = critic_values(model, items, tok.pad_token_id, cfg.micro_batch_size)
     with atomic_dir(out) as tmp:
-        model.save(tmp)
+        model.save(tmp, state)
         (tmp / PROMPT_FILE).write_text((policy_dir / PROMPT_FILE).read_text())
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),

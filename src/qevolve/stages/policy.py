@@ -22,7 +22,7 @@ from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PROMPT_FILE, make_builder
 from qevolve.policy_update import policy_items, policy_step, reference_pass
 from qevolve.models.device import placement
-from qevolve.training import checkpoint_path, input_digest, is_main, last_epoch_mean, train
+from qevolve.training import checkpoint_path, full_state, input_digest, is_main, last_epoch_mean, loading_config, shard, train
 
 
 def policy(
@@ -31,7 +31,9 @@ def policy(
 ) -> dict:
     cfg = params.policy
     trajs = read_store(data_dir)
-    model, tok = load_policy(base_dir, params.model, adapter=previous_dir, trainable=True)
+    load = loading_config(params.model, params.train)
+    model, tok = load_policy(base_dir, load, adapter=previous_dir, trainable=True)
+    model = shard(model, params.train, params.model.device)
     builder = make_builder(params, tok, previous_dir)
     items = policy_items(builder, trajs, read_advantages(advantage_dir), data_dir)
     previous = reference_pass(model, items, tok.pad_token_id, cfg.micro_batch_size)
@@ -40,7 +42,7 @@ def policy(
         it.behavior = torch.stack([lp.sum() for lp in ref]) if ref else torch.empty(0)
     expert_items = [it for it in items if it.expert]
     if expert_items and Path(previous_dir).resolve() != Path(bc_dir).resolve():
-        bc_model, _ = load_policy(base_dir, params.model, adapter=bc_dir)
+        bc_model = shard(load_policy(base_dir, load, adapter=bc_dir)[0], params.train, params.model.device)
         for it, ref in zip(expert_items, reference_pass(bc_model, expert_items, tok.pad_token_id, cfg.micro_batch_size)):
             it.behavior = torch.stack([lp.sum() for lp in ref])
         del bc_model
@@ -48,10 +50,11 @@ def policy(
     curve = train(model, items, cfg, lambda it: len(it.window.ids), lambda micro: policy_step(model, micro, params, tok.pad_token_id), "policy",
                   checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, bc_dir, data_dir, advantage_dir))
     elapsed = time.perf_counter() - start
+    state = full_state(model)
     if not is_main():
         return {}
     with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=state)
         (tmp / PROMPT_FILE).write_text((Path(previous_dir) / PROMPT_FILE).read_text())
     metrics = {
         "algo": cfg.algo,
