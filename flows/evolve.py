@@ -19,7 +19,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from prefect import flow
 
@@ -35,6 +35,8 @@ from qevolve.stages import iteration_stages, pipeline, stage_name
 from tasks import run_pipeline_stage
 
 ROOT = Path(__file__).resolve().parent.parent
+Profile = Literal[("", *sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml")))]
+"""The profiles the `experiment` flow offers (a menu in the Prefect UI's run form)."""
 
 
 @flow(name="iteration", flow_run_name="iteration-{k}")
@@ -95,10 +97,16 @@ def _evolve(root: str) -> dict:
 
 
 @flow(name="experiment")
-def experiment(profile: str = "", iterations: int | None = None, overrides: dict[str, Any] | None = None, name: str = "") -> dict:
-    """An evolution in a workspace of its own under runs/: a profile (empty: this checkout's params.yaml),
-    the number of iterations (empty: the file's), parameter overrides as dotted keys (e.g. {"bc.lr":
-    0.0005}, validated like params.yaml), and the workspace's name (empty: derived from the rest)."""
+def experiment(profile: Profile = "", iterations: int | None = None, overrides: dict[str, Any] | None = None, name: str = "") -> dict:
+    """An evolution in a workspace of its own under runs/ (its own params.yaml, DVC lineage and MLflow store).
+
+    Args:
+        profile: the parameters: profiles/PROFILE.yaml; empty: this checkout's params.yaml.
+        iterations: Q-Evolve iterations after BC; empty: the parameters' own `evolve.iterations`.
+        overrides: parameter changes as dotted keys, e.g. {"bc.lr": 0.0005, "evaluate.splits.valid_seen": 12},
+            validated like params.yaml before anything runs.
+        name: the workspace: runs/NAME/; empty: the profile's name, plus a digest of the changes.
+    """
     return evolve(str(experiment_workspace(profile, iterations, overrides, name)))
 
 

@@ -277,3 +277,13 @@ def test_a_profile_runs_in_its_own_workspace_and_leaves_the_checkout_alone(tmp_p
     with pytest.raises(ConfigError, match=r"bc.lr: Input should be greater than 0"):
         flows.evolve.experiment_workspace("textcraft", None, {"bc.lr": -1})
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(["webshop", tuned.name])  # nothing written for the bad one
+
+
+def test_the_experiment_forms_profile_is_a_menu_of_the_profiles_and_each_field_is_described():
+    from prefect.utilities.callables import parameter_schema
+
+    import flows.evolve
+
+    fields = parameter_schema(flows.evolve.experiment).model_dump()["properties"]
+    assert fields["profile"]["enum"] == ["", *sorted(p.stem for p in (REPO / "profiles").glob("*.yaml"))]
+    assert all(fields[name].get("description") for name in ("profile", "iterations", "overrides", "name"))
