@@ -1,5 +1,6 @@
-"""The evolution as a Prefect flow: experts -> base -> bc -> evaluate@0, then `evolve.iterations` Q-Evolve
-iterations, each a sub-flow: collect@k -> relabel@k -> critic@k -> advantage@k -> policy@k -> evaluate@k.
+"""The evolution as a Prefect flow: experts -> base -> bc -> evaluate@0, then `evolve.iterations` iterations
+of the method's recipe (`qevolve.recipe`), each a sub-flow; Q-Evolve's is collect@k -> relabel@k ->
+critic@k -> advantage@k -> policy@k -> evaluate@k.
 
 Each stage is a task that DVC skips when its inputs are unchanged, so a second run does no work and a
 killed run resumes at the first unfinished stage. MLflow gets one parent run per evolution and one child
@@ -41,7 +42,7 @@ Profile = Literal[("", *sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml"
 
 @flow(name="iteration", flow_run_name="iteration-{k}")
 def iteration(k: int, root: str, parent_run_id: str) -> dict:
-    """One Q-Evolve iteration; its stages are tasks, its metrics go to a child MLflow run."""
+    """One iteration of the method's recipe; its stages are tasks, its metrics go to a child MLflow run."""
     results = {}
     start = time.perf_counter()
     with start_iteration(k, parent_run_id):
@@ -71,7 +72,7 @@ def iteration_timing(k: int, results: dict, wall: float) -> dict | None:
 
 @flow(name="evolve")
 def evolve(root: str = str(ROOT)) -> dict:
-    """Expert demonstrations, behaviour cloning and its evaluation, then the Q-Evolve iterations."""
+    """Expert demonstrations, behaviour cloning and its evaluation, then the iterations of the method of params.yaml."""
     os.chdir(root)
     with workspace_lock(root, "evolution"):
         return _evolve(root)
@@ -84,7 +85,7 @@ def _evolve(root: str) -> dict:
     check_data(params.env)
     results = {}
     with start_evolution(params, run_name=f"evolve-{time.strftime('%Y%m%d-%H%M%S')}") as run:
-        for stage, k in pipeline(0):
+        for stage, k in pipeline(params, 0):
             result = run_pipeline_stage(stage, k, root)
             log_stage(result)
             results[stage_name(stage, k)] = result
@@ -102,7 +103,7 @@ def experiment(profile: Profile = "", iterations: int | None = None, overrides: 
 
     Args:
         profile: the parameters: profiles/PROFILE.yaml; empty: this checkout's params.yaml.
-        iterations: Q-Evolve iterations after BC; empty: the parameters' own `evolve.iterations`.
+        iterations: iterations after BC; empty: the parameters' own `evolve.iterations`.
         overrides: parameter changes as dotted keys, e.g. {"bc.lr": 0.0005, "evaluate.splits.valid_seen": 12},
             validated like params.yaml before anything runs.
         name: the workspace: runs/NAME/; empty: the profile's name, plus a digest of the changes.

@@ -16,7 +16,7 @@ from qevolve.models.critic import Critic
 from qevolve.models.policy import BestOfN, load_policy
 from qevolve.models.prompt import PromptBuilder, format_action
 from qevolve.stages import iteration_stages, pipeline, run_stage
-from qevolve.stages.online import another_round, group_advantages
+from qevolve.methods.grpo.online import another_round, group_advantages
 from qevolve.training import pad_ids
 from tests.test_env_pipelines import _tiny
 
@@ -84,11 +84,11 @@ def test_grpo_and_rerank_stages_run_and_update(tmp_path, monkeypatch, caplog):
     raw["rerank"] = {"best_of": 3}
     qevolve = parse_params(raw)
     # Near-uniform sampling, so the episodes of a group differ (some buy something) and GRPO has a signal.
-    grpo = parse_params({**raw, "rerank": {}, "policy": {**raw["policy"], "temperature": 50.0}, "evolve": {"iterations": 1, "method": "grpo"}})
+    grpo = parse_params({**raw, "rerank": {}, "policy": {**raw["policy"], "temperature": 50.0}, "method": "grpo", "evolve": {"iterations": 1}})
     assert iteration_stages(qevolve) == ("collect", "relabel", "critic", "advantage", "policy", "rerank", "evaluate")
     assert iteration_stages(grpo) == ("online", "evaluate")
     monkeypatch.chdir(tmp_path)
-    metrics = {f"{stage}@{k}": run_stage(stage, qevolve, k) for stage, k in pipeline(1, iteration_stages(qevolve))}
+    metrics = {f"{stage}@{k}": run_stage(stage, qevolve, k) for stage, k in pipeline(qevolve, 1)}
     for split, m in metrics["rerank@1"].items():  # collect@1's env steps trained critic@1
         assert m["episodes"] == 2 and m["cumulative_env_steps"] == metrics["evaluate@1"][split]["cumulative_env_steps"]
     bc = {n: t.clone() for n, t in load_policy(paths.BASE, qevolve.model, adapter=paths.BC, trainable=True)[0].state_dict().items()}
@@ -103,7 +103,7 @@ def test_grpo_and_rerank_stages_run_and_update(tmp_path, monkeypatch, caplog):
     assert not (tmp_path / "models" / ".policy@1.checkpoint").exists()
 
     # Killed in its second round, the stage resumes from the round checkpoint to the same adapter.
-    import qevolve.stages.online as online_module
+    import qevolve.methods.grpo.online as online_module
 
     real, calls = online_module.play_in, []
 
@@ -129,9 +129,9 @@ def test_grpo_and_rerank_stages_run_and_update(tmp_path, monkeypatch, caplog):
         run_stage("online", grpo, 1)
     counted = []
     monkeypatch.setattr(online_module, "play_in", lambda *a, **k: counted.append(1) or real(*a, **k))
-    other = parse_params({**raw, "rerank": {}, "policy": {**raw["policy"], "temperature": 50.0}, "evolve": {"iterations": 1, "method": "grpo"},
+    other = parse_params({**raw, "rerank": {}, "policy": {**raw["policy"], "temperature": 50.0}, "method": "grpo", "evolve": {"iterations": 1},
                           "online": {**raw["online"], "seed": 7}})
-    with caplog.at_level(logging.WARNING, logger="qevolve.stages.online"):
+    with caplog.at_level(logging.WARNING, logger="qevolve.methods.grpo.online"):
         assert run_stage("online", other, 1)["rounds"] == len(counted)
     assert "ignoring checkpoint" in caplog.text
 

@@ -76,12 +76,21 @@ def test_a_key_given_twice_is_refused_naming_it(tmp_path):
 
 
 def test_a_cross_section_error_prints_its_message_not_the_whole_file(tmp_path):
-    path = _write(tmp_path, {"evolve": {"method": "grpo"}, "policy": {"algo": "awr"}})
+    path = _write(tmp_path, {"method": "grpo", "policy": {"algo": "awr"}})
     with pytest.raises(ConfigError) as err:
         load_params(path)
     message = str(err.value)
     assert "policy.algo: the GRPO baseline" in message and "silently turn it into AWR" in message
     assert "got" not in message and "'env'" not in message  # not the whole parameters mapping
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"method": "qevolv"}, "method: Value error, unknown method 'qevolv'; expected one of ['grpo', 'qevolve']"),
+    ({"evolve": {"method": "grpo"}}, "evolve.method: the method is now the top-level key `method` (e.g. `method: grpo`)"),
+])
+def test_the_method_is_one_of_the_method_packages(tmp_path, raw, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_params(_write(tmp_path, raw))
 
 
 @pytest.mark.parametrize("raw, message", [

@@ -10,7 +10,7 @@ from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PromptBuilder
 from qevolve.models.critic import critic_items, critic_values
 from qevolve.policy_update import PolicyItem, policy_step, reference_pass
-from qevolve.stages.critic import critic_step, value_stats
+from qevolve.methods.qevolve.critic import critic_step, value_stats
 from qevolve.training import train
 
 MODEL = ModelConfig(lora={"r": 8, "alpha": 16})

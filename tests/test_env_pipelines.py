@@ -45,7 +45,7 @@ def _tiny(profile: str, tmp_path) -> dict:
 def _run_everything(profile, tmp_path, monkeypatch):
     params = parse_params(_tiny(profile, tmp_path))
     monkeypatch.chdir(tmp_path)
-    metrics = {f"{s}@{k}" if k is not None else s: run_stage(s, params, k) for s, k in pipeline(1)}
+    metrics = {f"{s}@{k}" if k is not None else s: run_stage(s, params, k) for s, k in pipeline(params, 1)}
     assert metrics["experts"]["success_rate"] == 1.0 and metrics["experts"]["env_failures"] == 0
     assert metrics["experts"]["failures"] == {} and paths.details("experts").exists()  # per-task details beside, not in, the metrics
     assert metrics["bc"]["loss"] < metrics["bc"]["first_loss"]

@@ -45,33 +45,41 @@ def test_flow_and_dvc_yaml_describe_the_same_stages(tmp_path):
     for n in (params.evolve.iterations, 2):
         p = parse_params({**params.model_dump(), "evolve": {"iterations": n}})
         (tmp_path / "dvc.yaml").write_text(dvcfile.render(p))
-        flow = [stage_name(s, k) for s, k in pipeline(n)]
+        flow = [stage_name(s, k) for s, k in pipeline(p)]
         assert sorted(flow) == sorted(_dvc_stages(tmp_path)) == sorted(dvcfile.stage_names(p))
         assert len(flow) == 4 + 6 * n
+
+
+def _stage_modules() -> dict[str, str]:
+    """stage -> the module of its function, over every method's recipe (Q-Evolve's with reranking)."""
+    from qevolve.config import parse_params
+    from qevolve.recipe import load_recipe, methods
+
+    raw = {"qevolve": {"rerank": {"best_of": 2}}}
+    return {s.name: s.module for m in methods() for s in load_recipe(m).stages(parse_params({"method": m, **raw.get(m, {})}))}
 
 
 def test_stages_do_not_import_orchestration():
     code = (
         "import sys, qevolve.cli, qevolve.dvcfile\n"
-        "from qevolve.stages import STAGES\n"
-        "for s in STAGES: __import__(f'qevolve.stages.{s}')\n"
+        f"for m in {sorted(set(_stage_modules().values()))!r}: __import__(m)\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'mlflow', 'dvc'))\n"
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_no_stage_imports_another_and_the_library_imports_no_stage():
-    """Shared machinery (prompts, training loop, rollouts, advantages) lives outside `stages/`: a stage
-    module imports no other stage, and nothing outside `stages/` but the CLI imports a stage."""
+def test_no_module_imports_a_stage():
+    """Shared machinery (prompts, training loop, rollouts, advantages) lives outside the stages' modules:
+    no module imports a stage's module (the runner reaches them through the recipes, by name)."""
     from qevolve.dvcfile import PACKAGE, _imports
 
+    stages = set(_stage_modules().values())
+    assert "qevolve.stages.bc" in stages and "qevolve.methods.qevolve.critic" in stages and "qevolve.methods.grpo.online" in stages
     for f in sorted(PACKAGE.rglob("*.py")):
         module = "qevolve." + ".".join(f.relative_to(PACKAGE).with_suffix("").parts)
-        if module in ("qevolve.cli", "qevolve.stages.__init__", "qevolve.dvcfile"):
-            continue
-        stages = {m for m in _imports(f, module_level_only=False) if m.startswith("qevolve.stages") and m != module}
-        assert not stages, f"{f.relative_to(PACKAGE)} imports {sorted(stages)}"
+        found = (_imports(f, module_level_only=False) & stages) - {module}
+        assert not found, f"{f.relative_to(PACKAGE)} imports {sorted(found)}"
 
 
 def test_every_module_a_stage_imports_is_one_of_its_dvc_deps():
@@ -79,19 +87,19 @@ def test_every_module_a_stage_imports_is_one_of_its_dvc_deps():
     what importing each stage's module (and the CLI that runs it) really loads."""
     from qevolve import dvcfile
     from qevolve.config import parse_params
-    from qevolve.stages import STAGES
 
-    code = "import sys, qevolve.cli, qevolve.stages.{s}\nprint('\\n'.join(m.__file__ for n, m in sys.modules.items() if n.startswith('qevolve')))"
+    code = "import sys, qevolve.cli, {m}\nprint('\\n'.join(m.__file__ for n, m in sys.modules.items() if n.startswith('qevolve')))"
     params = parse_params({"evolve": {"iterations": 1}, "rerank": {"best_of": 2}})
     deps = {name: set(s.get("do", s)["deps"]) for name, s in dvcfile.spec(params)["stages"].items()}
-    deps.update({name: set(s.get("do", s)["deps"]) for name, s in dvcfile.spec(parse_params({"evolve": {"iterations": 1, "method": "grpo"}}))["stages"].items()})
-    for stage in STAGES:
-        out = subprocess.run([sys.executable, "-c", code.format(s=stage)], capture_output=True, text=True, check=True).stdout
+    deps.update({name: set(s.get("do", s)["deps"]) for name, s in dvcfile.spec(parse_params({"method": "grpo", "evolve": {"iterations": 1}}))["stages"].items()})
+    for stage, module in _stage_modules().items():
+        out = subprocess.run([sys.executable, "-c", code.format(m=module)], capture_output=True, text=True, check=True).stdout
         loaded = {str(Path(f).resolve().relative_to(REPO)) for f in out.split() if Path(f).stat().st_size}  # empty __init__ files aside
         assert loaded <= deps[stage], f"{stage}: dvc.yaml misses {sorted(loaded - deps[stage])}"
-    # The gaps of the hand-kept lists: the prompt builder's and the advantage reader's modules.
-    assert {"src/qevolve/models/prompt.py", "src/qevolve/data/advantages.py"} <= deps["policy"]
+    # The gaps of the old hand-kept lists: the prompt builder's and the advantage reader's modules; the recipe.
+    assert {"src/qevolve/models/prompt.py", "src/qevolve/data/advantages.py", "src/qevolve/methods/qevolve/__init__.py"} <= deps["policy"]
     assert "src/qevolve/models/prompt.py" in deps["collect"]
+    assert not any("methods/qevolve" in d for d in deps["bc"])  # a method's recipe is no dep of the shared stages
 
 
 def test_dvc_params_deps_are_the_keys_the_file_sets():
@@ -287,3 +295,27 @@ def test_the_experiment_forms_profile_is_a_menu_of_the_profiles_and_each_field_i
     fields = parameter_schema(flows.evolve.experiment).model_dump()["properties"]
     assert fields["profile"]["enum"] == ["", *sorted(p.stem for p in (REPO / "profiles").glob("*.yaml"))]
     assert all(fields[name].get("description") for name in ("profile", "iterations", "overrides", "name"))
+
+
+def test_a_method_is_its_package(tmp_path):
+    """docs/adding-a-method.md: a copy of the GRPO package under another name, and no other change, is a
+    method that params.yaml can pick, with its stages in dvc.yaml (their code deps its own files) and in
+    the flow's order."""
+    shutil.copytree(REPO / "src", tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    methods = tmp_path / "src" / "qevolve" / "methods"
+    shutil.copytree(methods / "grpo", methods / "grpo_copy")
+    recipe = methods / "grpo_copy" / "__init__.py"
+    recipe.write_text(recipe.read_text().replace('Recipe("grpo"', 'Recipe("grpo_copy"'))
+    code = (
+        "from qevolve import dvcfile\n"
+        "from qevolve.config import parse_params\n"
+        "from qevolve.recipe import methods\n"
+        "from qevolve.stages import pipeline\n"
+        "p = parse_params({'method': 'grpo_copy', 'evolve': {'iterations': 2}})\n"
+        "online = dvcfile.spec(p)['stages']['online']\n"
+        "print(methods(), sorted(online['foreach']), [d for d in online['do']['deps'] if 'methods/' in d], pipeline(p)[3:])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path / "src")},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ("['grpo', 'grpo_copy', 'qevolve'] ['1', '2'] ['src/qevolve/methods/__init__.py', 'src/qevolve/methods/grpo_copy/__init__.py', "
+                   "'src/qevolve/methods/grpo_copy/online.py'] [('evaluate', 0), ('online', 1), ('evaluate', 1), ('online', 2), ('evaluate', 2)]")

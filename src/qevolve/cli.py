@@ -12,7 +12,7 @@ from qevolve import dvcfile, paths
 from qevolve.config import load_params
 from qevolve.errors import UserError, debugging, report
 from qevolve.lock import workspace_lock
-from qevolve.stages import STAGES, run_stage
+from qevolve.stages import run_stage
 
 
 def summary_table(iterations: list[int]) -> str:
@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qevolve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run one pipeline stage in this workspace")
-    run.add_argument("stage", choices=STAGES)
+    run.add_argument("stage", help="a stage of the method of params.yaml (experts, base, bc, evaluate, and the method's own: "
+                                   "collect, relabel, critic, advantage, policy, rerank for qevolve; online for grpo)")
     run.add_argument("--iteration", type=int, default=None, help="iteration of an iterated stage (collect@K, ..., evaluate@K)")
     run.add_argument("--params", type=Path, default=Path("params.yaml"))
     summary = sub.add_parser("summary", help="print the evaluation table")

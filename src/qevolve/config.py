@@ -291,7 +291,7 @@ class RerankConfig(Section):
 
 
 class OnlineConfig(TrainConfig):
-    """The online RL baseline (`evolve.method: grpo`): GRPO with the outcome reward only, from the BC
+    """The online RL baseline (`method: grpo`): GRPO with the outcome reward only, from the BC
     policy, each iteration `online@k` spending `env_steps` environment steps on train tasks. Each round
     plays `group_size` sampled episodes of `tasks_per_round` tasks; an episode's advantage is its return
     less its group's mean, over the group's standard deviation, given to every action it took; one
@@ -329,12 +329,13 @@ class MlflowConfig(Section):
 class EvolveConfig(Section):
     iterations: int = Field(0, ge=0)
     """Iterations after BC (0 = BC and its evaluation only)."""
-    method: Literal["qevolve", "grpo"] = "qevolve"
-    """What an iteration is: Q-Evolve's offline stages (collect, relabel, critic, advantage, policy), or
-    the online GRPO baseline (`online`; see the `online` section). Either ends with `evaluate@k`."""
 
 
 class Params(Section):
+    method: str = "qevolve"
+    """What an iteration is: the recipe of package `qevolve.methods.<method>` (`qevolve.recipe`):
+    `qevolve`, Q-Evolve's offline stages (collect, relabel, critic, advantage, policy), or `grpo`, the
+    online GRPO baseline (`online`; see the `online` section). Every iteration ends with `evaluate@k`."""
     env: EnvConfig = EnvConfig()
     experts: ExpertsConfig = ExpertsConfig()
     model: ModelConfig = ModelConfig()
@@ -352,6 +353,22 @@ class Params(Section):
     mlflow: MlflowConfig = MlflowConfig()
     evolve: EvolveConfig = EvolveConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, raw):
+        if isinstance(raw, dict) and isinstance(raw.get("evolve"), dict) and "method" in raw["evolve"]:
+            raise ValueError(f"evolve.method: the method is now the top-level key `method` (e.g. `method: {raw['evolve']['method']}`)")
+        return raw
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, method: str) -> str:
+        from qevolve.recipe import methods
+
+        if method not in methods():
+            raise ValueError(f"unknown method {method!r}; expected one of {methods()}")
+        return method
+
     @model_validator(mode="after")
     def _fits_env(self) -> "Params":
         experts, lists_actions, splits = ENVIRONMENTS[self.env.name]
@@ -366,10 +383,10 @@ class Params(Section):
             raise ValueError(f"policy.action_mode: {self.env.name} does not list valid actions; use `free`")
         if self.rerank.best_of and self.policy.action_mode != "admissible":
             raise ValueError("rerank.best_of: Best-of-N reranking draws from the valid actions; it needs policy.action_mode `admissible`")
-        if self.rerank.best_of and self.evolve.method != "qevolve":
-            raise ValueError("rerank.best_of: reranking uses Q-Evolve's critic; it needs evolve.method `qevolve`")
-        if self.evolve.method == "grpo" and self.policy.algo != "bppo":
-            raise ValueError(f"policy.algo: the GRPO baseline (evolve.method `grpo`) takes its clipped surrogate, clip range and KL "
+        if self.rerank.best_of and self.method != "qevolve":
+            raise ValueError("rerank.best_of: reranking uses Q-Evolve's critic; it needs method `qevolve`")
+        if self.method == "grpo" and self.policy.algo != "bppo":
+            raise ValueError(f"policy.algo: the GRPO baseline (method `grpo`) takes its clipped surrogate, clip range and KL "
                              f"from the policy section; `{self.policy.algo}` would silently turn it into {self.policy.algo.upper()}. "
                              "Use policy.algo `bppo` with GRPO")
         return self

@@ -52,12 +52,3 @@ def details(stage: str) -> Path:
 def curve(stage: str) -> Path:
     """Per-step training curve (or, for `advantage@k`, the histogram) of a stage, a DVC plot."""
     return METRICS / f"{stage}_curve.json"
-
-
-def env_steps_before(iteration: int, method: str = "qevolve") -> Path:
-    """The metrics file holding the cumulative env-step count up to iteration k's policy: the experts'
-    for k = 0, else that of the stage that played train episodes in iteration k (`collect@k`, or
-    `online@k` for the GRPO baseline)."""
-    if iteration == 0:
-        return metrics("experts")
-    return metrics(f"{'online' if method == 'grpo' else 'collect'}@{iteration}")

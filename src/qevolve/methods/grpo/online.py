@@ -1,4 +1,4 @@
-"""`online@k`: the online RL baseline, GRPO with the outcome reward only (`evolve.method: grpo`).
+"""`online@k`: the online RL baseline, GRPO with the outcome reward only (`method: grpo`).
 
 Rounds of: draw `tasks_per_round` train tasks, play each `group_size` times with the current policy
 (sampling), give every action of an episode its group-normalised return, and make one clipped-surrogate

@@ -31,7 +31,7 @@ def histogram(values: list[float], bins: int = 20) -> list[dict]:
     return [{"advantage": lo + (i + 0.5) * width, "count": int(c)} for i, c in enumerate(counts)]
 
 
-def advantage(params: Params, base_dir: Path, critic_dir: Path, data_dir: Path, out: Path, metrics_path: Path, hist_path: Path) -> dict:
+def advantage(params: Params, base_dir: Path, critic_dir: Path, data_dir: Path, out: Path, metrics_path: Path, curve_path: Path) -> dict:
     cfg = params.advantage
     trajs = read_store(data_dir)
     model, tok = load_critic(base_dir, params.model, critic_dir)
@@ -75,5 +75,5 @@ def advantage(params: Params, base_dir: Path, critic_dir: Path, data_dir: Path, 
         **placement(model),
     }
     write_json(metrics_path, metrics)
-    write_json(hist_path, histogram([r["advantage"] for r in rows]))
+    write_json(curve_path, histogram([r["advantage"] for r in rows]))
     return metrics

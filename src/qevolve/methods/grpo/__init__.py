@@ -1,0 +1,18 @@
+"""The online RL baseline: GRPO with the outcome reward only, from the BC policy (`online@k`, one stage
+per iteration that plays groups of episodes per task and updates the policy after each round)."""
+
+from __future__ import annotations
+
+from qevolve import paths
+from qevolve.recipe import ACTING_PARAMS, Recipe, Stage
+
+
+def _iteration(params) -> tuple[Stage, ...]:
+    return (
+        Stage("online", f"{__name__}.online",
+              lambda k: {"base_dir": paths.BASE, "previous_dir": paths.policy(k - 1), "previous_metrics": RECIPE.steps_before(k - 1)},
+              lambda k: {"out": paths.policy(k)}, (*ACTING_PARAMS, "policy", "online"), curve=("round", "success_rate"), takes_iteration=True),
+    )
+
+
+RECIPE = Recipe("grpo", _iteration, plays="online")

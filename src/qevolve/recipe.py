@@ -1,0 +1,125 @@
+"""A method as a recipe: the stages of its iterations, as data.
+
+Every method starts the same way (`experts`, `base`, `bc`, then `evaluate@0`) and ends each iteration
+k >= 1 with `evaluate@k`; its recipe lists the stages in between. From the recipe come the stage runner
+that `qevolve run` calls (`qevolve.stages.run_stage`), dvc.yaml (`qevolve.dvcfile`) and the Prefect
+flow's order of tasks (`flows.evolve`), and with them the MLflow child runs and the table's rows.
+
+A method is a package `qevolve.methods.<name>` whose `RECIPE` is its `Recipe`, picked by `method:` in
+params.yaml; nothing else registers it (docs/adding-a-method.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from qevolve import paths
+from qevolve.errors import UserError
+
+MODEL_PARAMS = ("model.base", "model.embedded", "model.lora", "model.context_tokens", "model.dtype")
+"""The `model` section less `model.device`: where a stage computes is not part of its lineage (nor is
+the `train` section, how many processes train)."""
+BUILDER_PARAMS = ("prompt.max_observation_tokens",)
+"""What `make_builder` reads beside the prompt saved with the policy."""
+ACTING_PARAMS = ("env", *MODEL_PARAMS, *BUILDER_PARAMS, "policy.action_mode", "policy.max_new_tokens")
+"""What playing a saved policy in the environment reads."""
+
+
+class UnknownStage(UserError, ValueError):
+    hint = "`dvc dag` (or dvc.yaml) lists this workspace's stages; `method:` in params.yaml picks the method"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the pipeline. `qevolve run NAME [--iteration K]` calls the function NAME of `module`
+    as `fn(params, **reads(k), **writes(k), metrics_path=..., [curve_path=...], [details_path=...],
+    [iteration=k])`; dvc.yaml lists `reads` and the module's code as its deps, `writes` as its outs and
+    `params` as its params deps."""
+
+    name: str
+    module: str
+    reads: Callable[[int], dict[str, Path]]
+    """Iteration k -> the function's argument -> the artifact or metrics file it reads."""
+    writes: Callable[[int], dict[str, Path]]
+    """Iteration k -> the function's argument -> the artifact it writes (a DVC out)."""
+    params: tuple[str, ...]
+    """The params.yaml keys (or whole sections) it reads."""
+    once: bool = False
+    """Runs once before the iterations (`experts`, `base`, `bc`) rather than in each."""
+    curve: tuple[str, str] | None = None
+    """Axes of its per-step curve (`metrics/<stage>_curve.json`, a DVC plot), passed as `curve_path`."""
+    details: bool = False
+    """Writes per-item details (`metrics/<stage>_details.json`), passed as `details_path`."""
+    takes_iteration: bool = False
+    """Passed `iteration=k`."""
+    trainer: bool = False
+    """Trains a model: `train.processes` > 1 runs it data-parallel under torchrun."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A method: what happens in each of its iterations k >= 1 before `evaluate@k`."""
+
+    name: str
+    iteration: Callable[[object], tuple[Stage, ...]]
+    """Params -> the stages of every iteration, in run order, before `evaluate@k`."""
+    plays: str
+    """The stage that plays train episodes in each iteration: its metrics carry the cumulative env-step
+    count that the evaluations report."""
+
+    def steps_before(self, k: int) -> Path:
+        """The metrics file with the env steps spent to train policy k: the experts' for k = 0, else
+        this recipe's stage that played iteration k's episodes."""
+        return paths.metrics("experts") if k == 0 else paths.metrics(f"{self.plays}@{k}")
+
+    def setup(self) -> tuple[Stage, ...]:
+        return SETUP
+
+    def evaluate(self) -> Stage:
+        return Stage(
+            "evaluate", "qevolve.stages.evaluate",
+            lambda k: {"base_dir": paths.BASE, "policy_dir": paths.policy(k), "env_steps_path": self.steps_before(k)},
+            lambda k: {"out": paths.evaluation(k)}, (*ACTING_PARAMS, "evaluate"), takes_iteration=True,
+        )
+
+    def stages(self, params) -> tuple[Stage, ...]:
+        """Every stage this method can run with these parameters: setup, evaluation and its iterations'."""
+        return (*SETUP, self.evaluate(), *self.iteration(params))
+
+    def stage(self, name: str, params) -> Stage:
+        found = {s.name: s for s in self.stages(params)}
+        if name not in found:
+            raise UnknownStage(f"stage {name!r} is not a stage of method {self.name!r} with these parameters; expected one of {list(found)}")
+        return found[name]
+
+    def order(self, params, iterations: int) -> list[tuple[Stage, int | None]]:
+        """(stage, iteration) in run order for `iterations` iterations (None for a once-only stage)."""
+        each = (*self.iteration(params), self.evaluate())
+        return [(s, None) for s in SETUP] + [(self.evaluate(), 0)] + [(s, k) for k in range(1, iterations + 1) for s in each]
+
+
+SETUP = (
+    Stage("experts", "qevolve.stages.experts", lambda k: {}, lambda k: {"out": paths.EXPERTS}, ("env", "experts"), once=True, details=True),
+    Stage("base", "qevolve.stages.base", lambda k: {"experts_dir": paths.EXPERTS}, lambda k: {"out": paths.BASE},
+          ("env.name", "model.base", "model.embedded", "model.context_tokens"), once=True),
+    Stage("bc", "qevolve.stages.bc", lambda k: {"base_dir": paths.BASE, "experts_dir": paths.EXPERTS}, lambda k: {"out": paths.BC},
+          ("env", *MODEL_PARAMS, "prompt", "bc"), once=True, curve=("step", "loss"), trainer=True),
+)
+"""The stages every method starts with, once."""
+
+
+def methods() -> list[str]:
+    """The methods this installation has: the packages under `qevolve.methods`."""
+    from qevolve import methods as package
+
+    return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.ispkg)
+
+
+def load_recipe(method: str) -> Recipe:
+    if method not in methods():
+        raise ValueError(f"method {method!r}: no package qevolve.methods.{method}; expected one of {methods()}")
+    return importlib.import_module(f"qevolve.methods.{method}").RECIPE
