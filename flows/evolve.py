@@ -84,7 +84,7 @@ def _evolve(root: str) -> dict:
         print(f"dvc.yaml regenerated for evolve.iterations = {params.evolve.iterations}")
     check_data(params.env)
     results = {}
-    with start_evolution(params, run_name=f"evolve-{time.strftime('%Y%m%d-%H%M%S')}") as run:
+    with start_evolution(params, run_name=f"{params.method}-{time.strftime('%Y%m%d-%H%M%S')}") as run:
         for stage, k in pipeline(params, 0):
             result = run_pipeline_stage(stage, k, root)
             log_stage(result)

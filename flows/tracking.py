@@ -75,7 +75,7 @@ def start_evolution(params: Params, run_name: str):
         if old is None or old.info.lifecycle_stage != "active":
             run_id = None
     if run_id is None:
-        run = mlflow.start_run(run_name=run_name, tags={"qevolve.attempts": "1", "qevolve.iterations": str(params.evolve.iterations)})
+        run = mlflow.start_run(run_name=run_name, tags={"qevolve.attempts": "1", "qevolve.iterations": str(params.evolve.iterations), "qevolve.method": params.method})
         # Every parameter but the iteration count, which a continued evolution raises (a tag, updated).
         mlflow.log_params({k: str(v)[:500] for k, v in flatten(params.model_dump()).items() if k != "evolve.iterations"})
         write_json(EVOLUTION_FILE, {"run_id": run.info.run_id, "fingerprint": fingerprint})

@@ -101,3 +101,19 @@ def test_the_method_is_one_of_the_method_packages(tmp_path, raw, message):
 def test_split_names_are_checked_against_the_environment(tmp_path, raw, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_params(_write(tmp_path, raw))
+
+
+def test_the_keys_a_stage_reads_are_recorded_and_checked_against_its_recipe():
+    from qevolve.config import Params, recorded_reads
+    from qevolve.recipe import SETUP
+    from qevolve.stages import UndeclaredParams, check_reads
+
+    params = Params()
+    with recorded_reads(params) as reads:
+        _ = params.bc.lr, params.model.lora.r, params.model.device, params.evaluate.splits, params.model
+    _ = params.critic.lr  # after the block: not recorded
+    assert reads == {"bc.lr", "model.lora.r", "model.device", "evaluate.splits"}
+    bc = next(s for s in SETUP if s.name == "bc")
+    check_reads("bc", bc, reads - {"evaluate.splits"})  # bc, model.lora (a parent) and where it runs are declared
+    with pytest.raises(UndeclaredParams, match=r"stage bc read params \['evaluate.splits'\], which its recipe does not list"):
+        check_reads("bc", bc, reads)

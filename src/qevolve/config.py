@@ -7,8 +7,9 @@ keys, wrong types and out-of-range values fail with the key's dotted path and th
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Iterator, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -22,8 +23,45 @@ class ConfigError(UserError, ValueError):
     hint = "fix the keys named above; src/qevolve/config.py documents every key, and profiles/ holds a valid file per environment"
 
 
+_paths: dict[int, str] | None = None
+"""While `recorded_reads` runs: id of each section of the params it watches -> its dotted path."""
+_reads: set[str] = set()
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def __getattribute__(self, name: str):
+        value = object.__getattribute__(self, name)
+        if _paths is not None and name[0] != "_" and not isinstance(value, Section):
+            where = _paths.get(id(self))
+            if where is not None and name in type(self).model_fields:
+                _reads.add(where + name)
+        return value
+
+
+@contextmanager
+def recorded_reads(params: "Params") -> Iterator[set[str]]:
+    """The set of `params`' leaf keys (`bc.lr`, `model.lora.r`, `evaluate.splits`) read inside the block:
+    what a stage really reads, checked against what its recipe declares (`qevolve.stages.run_stage`)."""
+    global _paths
+
+    def walk(section: Section, where: str) -> dict[int, str]:
+        found = {id(section): where}
+        for name in type(section).model_fields:
+            child = object.__getattribute__(section, name)
+            if isinstance(child, Section):
+                found |= walk(child, f"{where}{name}.")
+        return found
+
+    _reads.clear()
+    _paths = walk(params, "")
+    reads: set[str] = set()
+    try:
+        yield reads
+    finally:
+        _paths = None
+        reads |= _reads
 
 
 ENVIRONMENTS = {

@@ -23,7 +23,7 @@ from qevolve.models.base import causal_lm
 from qevolve.models.device import model_device
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PromptBuilder, Window
-from qevolve.training import pad_ids
+from qevolve.training import is_main, pad_ids
 
 HEADS_FILE = "heads.safetensors"
 
@@ -125,9 +125,11 @@ def read_positions(item: CriticItem) -> dict[int, tuple[int, int]]:
 @torch.no_grad()
 def critic_values(critic: Critic, items: list[CriticItem], pad_id: int, batch_size: int) -> dict[int, dict[int, tuple[float, float]]]:
     """trajectory index -> step -> (V(s_step), Q(s_step, a_step) or NaN), read in each step's own window."""
+    from tqdm import tqdm
+
     critic.eval()
     out: dict[int, dict[int, tuple[float, float]]] = {}
-    for i in range(0, len(items), batch_size):
+    for i in tqdm(range(0, len(items), batch_size), desc="critic values", unit="batch", disable=not is_main()):
         mb = items[i : i + batch_size]
         ids, attn = pad_ids([it.window.ids for it in mb], pad_id, model_device(critic))
         v, q = (x.cpu() for x in critic(ids, attn)[:2])

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from qevolve import paths
-from qevolve.config import Params
-from qevolve.recipe import UnknownStage, load_recipe
+from qevolve.config import Params, recorded_reads
+from qevolve.recipe import Stage, UnknownStage, load_recipe
 
 
 def stage_name(stage: str, iteration: int | None = None) -> str:
@@ -80,4 +80,25 @@ def run_stage(stage: str, params: Params, iteration: int | None = None, params_f
         kwargs["details_path"] = paths.details(name)
     if spec.takes_iteration:
         kwargs["iteration"] = k
-    return getattr(importlib.import_module(spec.module), spec.name)(params, **kwargs)
+    function = getattr(importlib.import_module(spec.module), spec.name)
+    with recorded_reads(params) as reads:
+        metrics = function(params, **kwargs)
+    check_reads(name, spec, reads)
+    return metrics
+
+
+class UndeclaredParams(RuntimeError):
+    """A stage read params keys its recipe does not list: dvc.yaml would not re-run it when they change."""
+
+
+def check_reads(name: str, spec: Stage, reads: set[str]) -> None:
+    """Raise unless every params key the stage read is covered by its recipe's `params` (a key or one of
+    its parents), where it computes aside (`EXECUTION_KEYS`): the params deps in dvc.yaml come from that
+    list, so this is what keeps them complete."""
+    def covered(key: str) -> bool:
+        return any(key == d or key.startswith(d + ".") for d in (*spec.params, "model.device", "train"))
+
+    missing = sorted(k for k in reads if not covered(k))
+    if missing:
+        raise UndeclaredParams(f"stage {name} read params {missing}, which its recipe does not list (Stage {spec.name!r} in "
+                               f"{spec.module.rsplit('.', 1)[0]}): dvc.yaml would not re-run it when they change; add them to its params")
