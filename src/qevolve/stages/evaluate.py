@@ -17,7 +17,8 @@ def evaluate(params: Params, base_dir: Path, policy_dir: Path, out: Path, metric
     env steps spent to train this policy (experts, then every collect), reported beside each split."""
     torch.manual_seed(params.evaluate.seed)
     model, tok = load_policy(base_dir, params.model, adapter=policy_dir)
-    actor = Actor(model, tok, make_builder(params, tok, policy_dir), params.policy.action_mode, params.policy.temperature, params.policy.max_new_tokens)
+    # Greedy: `policy.temperature` (collection's) plays no part; the recorded log-probs are the model's own.
+    actor = Actor(model, tok, make_builder(params, tok, policy_dir), params.policy.action_mode, 1.0, params.policy.max_new_tokens)
     return play_splits(params, actor, out, metrics_path, f"policy@{iteration}", env_steps_path)
 
 
