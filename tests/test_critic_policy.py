@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from qevolve.config import CriticConfig, ModelConfig, Params, PolicyConfig
+from qevolve.config import ModelConfig, Params, PolicyConfig
+from qevolve.methods.qevolve.config import CriticConfig
 from qevolve.data.store import StepRecord, Trajectory
 from qevolve.models.critic import Critic
 from qevolve.models.policy import load_policy

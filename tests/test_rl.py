@@ -105,7 +105,7 @@ def test_kl_to_reference_is_unbiased_on_the_reference_tokens():
 
 def test_relabel_rules_first_match_wins():
     from qevolve.algos.relabel import relabel_step
-    from qevolve.config import RelabelConfig
+    from qevolve.methods.qevolve.config import RelabelConfig
 
     cfg = RelabelConfig(format_penalty=0.3, rejected_penalty=0.2, unchanged_penalty=0.1)
     assert relabel_step(None, False, "a", "a", cfg) == (-0.3, "format")

@@ -1,18 +1,20 @@
 """Typed configuration: `params.yaml` is validated once, at load, before any compute starts.
 
 Every section is named like the pipeline step that reads it (`experts`, `bc`, `evaluate`, ...). Unknown
-keys, wrong types and out-of-range values fail with the key's dotted path and the file's name.
+keys, wrong types and out-of-range values fail with the key's dotted path and the file's name. The
+sections every method shares are here; each method's own are in its package (`qevolve.methods.<name>.config`).
 """
 
 from __future__ import annotations
 
 import re
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 from typing import Iterator, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator, model_validator
 
 from qevolve.errors import UserError
 
@@ -20,7 +22,7 @@ from qevolve.errors import UserError
 class ConfigError(UserError, ValueError):
     """A params file that does not validate; the message names the file and each bad key."""
 
-    hint = "fix the keys named above; src/qevolve/config.py documents every key, and profiles/ holds a valid file per environment"
+    hint = "fix the keys named above; src/qevolve/config.py and each method's config.py (src/qevolve/methods/) document every key, and profiles/ holds a valid file per environment"
 
 
 _paths: dict[int, str] | None = None
@@ -245,55 +247,6 @@ class PolicyConfig(TrainConfig):
     awr_max_weight: float = Field(20.0, gt=0)
 
 
-class CollectConfig(Section):
-    split: str = "train"
-    num_tasks: int = Field(16, ge=0)
-    """Train tasks the previous policy plays (0 = all)."""
-    samples_per_task: int = Field(2, gt=0)
-    """K: sampled episodes per task."""
-    batch_size: int = Field(8, gt=0)
-    seed: int = 1
-    """Seed of the task draw (iteration k adds k, so iterations see different tasks) and of sampling."""
-
-
-class RelabelConfig(Section):
-    """Auxiliary rewards (negative) for the three failure modes of a step; the first that applies counts."""
-
-    format_penalty: float = Field(0.1, ge=0)
-    """The output does not parse as an action."""
-    rejected_penalty: float = Field(0.1, ge=0)
-    """The environment rejected the action (ALFWorld: "Nothing happens.")."""
-    unchanged_penalty: float = Field(0.05, ge=0)
-    """The observation did not change (repetition)."""
-    max_expert: int = Field(0, ge=0)
-    """Expert trajectories in the hybrid dataset, drawn at random (0 = all)."""
-    seed: int = 0
-
-
-class CriticConfig(TrainConfig):
-    epochs: int = Field(2, gt=0)
-    lr: float = Field(5e-4, gt=0)
-    gamma: float = Field(0.95, gt=0, le=1)
-    expectile: float = Field(0.7, gt=0, lt=1)
-    """tau of the expectile regression for V."""
-    target_rate: float = Field(0.05, gt=0, le=1)
-    """Polyak rate of the slow-moving target Q head after each optimiser step."""
-    weighted: bool = True
-    """Q-Evolve's per-step weights (`step_weights`); false = uniform (the ablation)."""
-    init_from_policy: bool = True
-    """Start the critic's own adapter as a copy of the policy's (its features already know the env)."""
-
-
-class AdvantageConfig(Section):
-    estimator: Literal["gae", "q_minus_v"] = "gae"
-    gamma: float = Field(0.95, gt=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
-    use_aux: bool = False
-    """Add the auxiliary rewards to the GAE rewards (the paper found this hurts)."""
-    normalize: bool = True
-    """Scale advantages to zero mean and unit variance over the dataset."""
-
-
 class BCConfig(TrainConfig):
     pack: bool = False
     """Pack each micro-batch's windows into rows of at most `model.context_tokens` tokens, each window
@@ -315,35 +268,6 @@ class EvaluateConfig(Section):
         if not v or any(n < 0 for n in v.values()):
             raise ValueError("expected a non-empty mapping of split -> count >= 0")
         return v
-
-
-class RerankConfig(Section):
-    """Best-of-N at test time (the paper's critic-rerank ablation): `rerank@k` plays the evaluation
-    episodes with the policy before iteration k's update, drawing N actions from it and taking the one
-    the critic of iteration k values most. No policy update is involved."""
-
-    best_of: int = Field(0, ge=0)
-    """N actions drawn per step (0 = no `rerank@k` stage). Admissible action mode only."""
-    temperature: float = Field(1.0, gt=0)
-    """Temperature of the policy distribution the N actions are drawn from."""
-
-
-class OnlineConfig(TrainConfig):
-    """The online RL baseline (`method: grpo`): GRPO with the outcome reward only, from the BC
-    policy, each iteration `online@k` spending `env_steps` environment steps on train tasks. Each round
-    plays `group_size` sampled episodes of `tasks_per_round` tasks; an episode's advantage is its return
-    less its group's mean, over the group's standard deviation, given to every action it took; one
-    clipped-surrogate update (policy.clip_low/clip_high, policy.kl_coef to the round's behaviour policy)
-    follows each round."""
-
-    env_steps: int = Field(1000, gt=0)
-    """Environment steps per iteration (the benchmark sets it to Q-Evolve's own), to the nearest round."""
-    tasks_per_round: int = Field(4, gt=0)
-    group_size: int = Field(4, ge=2)
-    epochs: int = Field(1, gt=0)
-    """Passes over each round's episodes."""
-    lr: float = Field(2e-4, gt=0)
-    seed: int = 1
 
 
 class TrainRunConfig(Section):
@@ -369,7 +293,9 @@ class EvolveConfig(Section):
     """Iterations after BC (0 = BC and its evaluation only)."""
 
 
-class Params(Section):
+class CommonParams(Section):
+    """The sections every method shares; `Params` adds each method's own (`method_sections`)."""
+
     method: str = "qevolve"
     """What an iteration is: the recipe of package `qevolve.methods.<method>` (`qevolve.recipe`):
     `qevolve`, Q-Evolve's offline stages (collect, relabel, critic, advantage, policy), or `grpo`, the
@@ -380,13 +306,7 @@ class Params(Section):
     prompt: PromptConfig = PromptConfig()
     policy: PolicyConfig = PolicyConfig()
     bc: BCConfig = BCConfig()
-    collect: CollectConfig = CollectConfig()
-    relabel: RelabelConfig = RelabelConfig()
-    critic: CriticConfig = CriticConfig()
-    advantage: AdvantageConfig = AdvantageConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
-    rerank: RerankConfig = RerankConfig()
-    online: OnlineConfig = OnlineConfig()
     train: TrainRunConfig = TrainRunConfig()
     mlflow: MlflowConfig = MlflowConfig()
     evolve: EvolveConfig = EvolveConfig()
@@ -408,26 +328,56 @@ class Params(Section):
         return method
 
     @model_validator(mode="after")
-    def _fits_env(self) -> "Params":
+    def _fits_env(self) -> "CommonParams":
         experts, lists_actions, splits = ENVIRONMENTS[self.env.name]
-        for key, names in (("experts.split", [self.experts.split]), ("collect.split", [self.collect.split]), ("evaluate.splits", list(self.evaluate.splits))):
-            bad = [n for n in names if n not in splits]
-            if bad:
-                raise ValueError(f"{key}: {self.env.name} has no split(s) {bad}; expected some of {list(splits)}")
+        for key, names in (("experts.split", [self.experts.split]), ("evaluate.splits", list(self.evaluate.splits))):
+            check_splits(self, key, names)
         unknown = sorted(set(self.experts.demos) - set(experts))
         if unknown:
             raise ValueError(f"experts.demos: {self.env.name} has no expert(s) {unknown}; expected some of {list(experts)}")
         if self.policy.action_mode == "admissible" and not lists_actions:
             raise ValueError(f"policy.action_mode: {self.env.name} does not list valid actions; use `free`")
-        if self.rerank.best_of and self.policy.action_mode != "admissible":
-            raise ValueError("rerank.best_of: Best-of-N reranking draws from the valid actions; it needs policy.action_mode `admissible`")
-        if self.rerank.best_of and self.method != "qevolve":
-            raise ValueError("rerank.best_of: reranking uses Q-Evolve's critic; it needs method `qevolve`")
-        if self.method == "grpo" and self.policy.algo != "bppo":
-            raise ValueError(f"policy.algo: the GRPO baseline (method `grpo`) takes its clipped surrogate, clip range and KL "
-                             f"from the policy section; `{self.policy.algo}` would silently turn it into {self.policy.algo.upper()}. "
-                             "Use policy.algo `bppo` with GRPO")
+        for module in _method_configs():
+            if hasattr(module, "check"):
+                module.check(self)
         return self
+
+
+def check_splits(params, key: str, names: list[str]) -> None:
+    """Raise unless the environment of `params` has every split in `names` (the value of `key`)."""
+    splits = ENVIRONMENTS[params.env.name][2]
+    bad = [n for n in names if n not in splits]
+    if bad:
+        raise ValueError(f"{key}: {params.env.name} has no split(s) {bad}; expected some of {list(splits)}")
+
+
+@cache
+def _method_configs() -> list:
+    """Each method package's `config` module, where it has one: its own sections (`SECTIONS`) and its
+    rules across sections (`check(params)`)."""
+    import importlib
+    import importlib.util
+
+    from qevolve.recipe import methods
+
+    names = [f"qevolve.methods.{m}.config" for m in methods()]
+    return [importlib.import_module(n) for n in names if importlib.util.find_spec(n) is not None]
+
+
+def method_sections() -> dict[str, type[Section]]:
+    """Every method's own sections, by key (`critic`, `online`, ...): all are valid in every params file,
+    whichever method it picks (a table's rows share one file's sections)."""
+    found: dict[str, type[Section]] = {}
+    for module in _method_configs():
+        for name, cls in module.SECTIONS.items():
+            if name in CommonParams.model_fields or found.get(name, cls) is not cls:
+                raise TypeError(f"{module.__name__}: section {name!r} is already a section of params.yaml; name it after the method")
+            found[name] = cls
+    return found
+
+
+Params = create_model("Params", __base__=CommonParams, __doc__="params.yaml: the shared sections and every method's own.",
+                      **{name: (cls, cls()) for name, cls in method_sections().items()})
 
 
 EXECUTION_KEYS = {"model": {"device"}, "train": True}

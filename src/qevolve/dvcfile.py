@@ -56,8 +56,10 @@ def code_deps(module: str) -> list[str]:
     """Every source file of the package that `qevolve run` can execute for the stage whose function is in
     `module`: that module and what it imports, transitively (function-level imports included, so every
     environment that `make_env` can build is there), with each module's parent packages (a method's
-    stages thereby depend on its recipe, the package's `__init__`); plus the entry points' own
-    module-level imports. Computed from the code, so a new import can never be missing from dvc.yaml."""
+    stages thereby depend on its recipe, the package's `__init__`, and its sections' `config`); plus the
+    entry points' own module-level imports. Computed from the code, so a new import can never be missing
+    from dvc.yaml. Validating params.yaml also loads the other methods' `config` modules; they only
+    declare sections that this stage does not read (`qevolve.stages.check_reads`), so they are no dep."""
     todo = [(m, True) for m in ENTRY_POINTS] + [(module, False)]
     seen: dict[str, bool] = {}
     while todo:

@@ -8,7 +8,10 @@ Three rules, checked in this order; the first that applies gives the step its pe
 
 from __future__ import annotations
 
-from qevolve.config import RelabelConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qevolve.methods.qevolve.config import RelabelConfig
 
 
 def relabel_step(action: str | None, valid: bool, observation: str, next_observation: str, cfg: RelabelConfig) -> tuple[float, str]:

@@ -4,6 +4,7 @@ per iteration that plays groups of episodes per task and updates the policy afte
 from __future__ import annotations
 
 from qevolve import paths
+from qevolve.methods.grpo.config import SECTIONS  # its sections: their defaults are a dep of every stage of the method
 from qevolve.recipe import ACTING_PARAMS, Recipe, Stage
 
 
@@ -16,3 +17,4 @@ def _iteration(params) -> tuple[Stage, ...]:
 
 
 RECIPE = Recipe("grpo", _iteration, plays="online")
+__all__ = ["RECIPE", "SECTIONS"]

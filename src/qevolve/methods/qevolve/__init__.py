@@ -7,6 +7,7 @@ policy's candidate actions at test time (`rerank@k`, Best-of-N)."""
 from __future__ import annotations
 
 from qevolve import paths
+from qevolve.methods.qevolve.config import SECTIONS  # its sections: their defaults are a dep of every stage of the method
 from qevolve.recipe import ACTING_PARAMS, BUILDER_PARAMS, MODEL_PARAMS, Recipe, Stage
 
 HERE = __name__
@@ -41,3 +42,4 @@ def _iteration(params) -> tuple[Stage, ...]:
 
 
 RECIPE = Recipe("qevolve", _iteration, plays="collect")
+__all__ = ["RECIPE", "SECTIONS"]
