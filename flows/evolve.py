@@ -1,6 +1,7 @@
 """The evolution as a Prefect flow: experts -> base -> bc -> evaluate@0, then `evolve.iterations` iterations
-of the method's recipe (`qevolve.recipe`), each a sub-flow; Q-Evolve's is collect@k -> relabel@k ->
-critic@k -> advantage@k -> policy@k -> evaluate@k.
+of the method's recipe (`qevolve.recipe`), each a run of the method's sub-flow (`qevolve-iteration`:
+collect@k -> relabel@k -> critic@k -> advantage@k -> policy@k -> evaluate@k; `grpo-iteration`: online@k ->
+evaluate@k).
 
 Each stage is a task that DVC skips when its inputs are unchanged, so a second run does no work and a
 killed run resumes at the first unfinished stage. MLflow gets one parent run per evolution and one child
@@ -57,6 +58,15 @@ def iteration(k: int, root: str, parent_run_id: str) -> dict:
     return results
 
 
+def method_iteration(params):
+    """The iteration sub-flow under the method's name (`qevolve-iteration`, `grpo-iteration`), described in
+    the Prefect UI by its package's docstring: the method's algorithm, as its paper states it."""
+    import importlib
+
+    package = importlib.import_module(f"qevolve.methods.{params.method}")
+    return iteration.with_options(name=f"{params.method}-iteration", description=package.__doc__)
+
+
 def iteration_timing(k: int, results: dict, wall: float) -> dict | None:
     """Wall time of iteration k against the time its stage functions computed; the rest is Prefect, DVC
     and MLflow. Written to `metrics/timing@k.json` when every stage ran (a resumed iteration mixes runs)."""
@@ -89,8 +99,9 @@ def _evolve(root: str) -> dict:
             result = run_pipeline_stage(stage, k, root)
             log_stage(result)
             results[stage_name(stage, k)] = result
+        run_iteration = method_iteration(params)
         for k in range(1, params.evolve.iterations + 1):
-            results.update(iteration(k, root, run.info.run_id))
+            results.update(run_iteration(k, root, run.info.run_id))
         log_evolution_views(params.evolve.iterations)
         results["mlflow_run_id"] = run.info.run_id
         publish_table(params.evolve.iterations, run)

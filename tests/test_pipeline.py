@@ -325,3 +325,12 @@ def test_a_method_is_its_package(tmp_path):
     assert out == ("['grpo', 'grpo_copy', 'qevolve'] ['1', '2'] ['src/qevolve/methods/__init__.py', 'src/qevolve/methods/grpo/__init__.py', "
                    "'src/qevolve/methods/grpo/config.py', 'src/qevolve/methods/grpo_copy/__init__.py', 'src/qevolve/methods/grpo_copy/online.py'] "
                    "[('evaluate', 0), ('online', 1), ('evaluate', 1), ('online', 2), ('evaluate', 2)]")
+
+
+def test_each_method_iterates_in_a_sub_flow_of_its_own_name_described_by_its_algorithm():
+    import flows.evolve
+    from qevolve.config import parse_params
+
+    grpo = flows.evolve.method_iteration(parse_params({"method": "grpo"}))
+    assert grpo.name == "grpo-iteration" and grpo.description.startswith("The online RL baseline: GRPO")
+    assert flows.evolve.method_iteration(parse_params({})).description.startswith("Q-Evolve (arXiv 2606.07367), Algorithm 1")
