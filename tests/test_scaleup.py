@@ -88,3 +88,15 @@ def test_multi_process_trainers_copied_and_sharded_run_from_dvc_repro_and_from_t
         assert placed["processes"] == 2 and placed["sharded"] is True, stage
     status = subprocess.run([DVC, "status"], cwd=ws, capture_output=True, text=True, check=True).stdout
     assert "up to date" in status, status
+    # The sharded policy@1 (a reference pass before training, a collective one) is the one-process update.
+    from safetensors.torch import load_file
+
+    sharded = load_file(str(ws / "models" / "policy@1" / "adapter_model.safetensors"))
+    params["train"] = {"processes": 1}
+    (ws / "params.yaml").write_text(yaml.safe_dump(params))
+    subprocess.run(["rm", "-r", str(ws / "models" / "policy@1")], check=True)
+    done = subprocess.run([sys.executable, "-m", "qevolve.cli", "run", "policy", "--iteration", "1"], cwd=ws, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    single = load_file(str(ws / "models" / "policy@1" / "adapter_model.safetensors"))
+    assert single.keys() == sharded.keys()
+    assert max(float((single[k] - sharded[k]).abs().max()) for k in single) < 1e-5

@@ -329,7 +329,7 @@ class CommonParams(Section):
 
     @model_validator(mode="after")
     def _fits_env(self) -> "CommonParams":
-        experts, lists_actions, splits = ENVIRONMENTS[self.env.name]
+        experts, lists_actions, _ = ENVIRONMENTS[self.env.name]
         for key, names in (("experts.split", [self.experts.split]), ("evaluate.splits", list(self.evaluate.splits))):
             check_splits(self, key, names)
         unknown = sorted(set(self.experts.demos) - set(experts))

@@ -233,6 +233,13 @@ def train(
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
         )
+        from torch.distributed.fsdp import FSDPModule
+
+        # A forward pass without backward (the policy's reference pass) leaves the root unit's weights
+        # gathered; the optimiser must hold the sharded ones.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps_per_epoch = -(-len(items) // cfg.batch_size)
@@ -292,7 +299,8 @@ def train(
                 metrics = step(micro)
                 if sharded:  # FSDP averaged the gradients: back to their sum
                     for p in params:
-                        p.grad.mul_(world)
+                        if p.grad is not None:  # None: unused by this loss (the critic never reads the LM head)
+                            p.grad.mul_(world)
                 if world > 1:
                     metrics = _sum_across_ranks([] if sharded else params, metrics, model_device(model))
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
