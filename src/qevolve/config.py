@@ -380,8 +380,20 @@ Params = create_model("Params", __base__=CommonParams, __doc__="params.yaml: the
                       **{name: (cls, cls()) for name, cls in method_sections().items()})
 
 
-EXECUTION_KEYS = {"model": {"device"}, "train": True}
+EXECUTION_PATHS = ("model.device", "train")
 """Where and how a stage computes, not what: left out of DVC's params and of the evolution's identity."""
+
+
+def _exclusion(paths: tuple[str, ...]) -> dict:
+    """Dotted keys as pydantic's `model_dump(exclude=...)` takes them: {"model": {"device"}, "train": True}."""
+    out: dict = {}
+    for path in paths:
+        section, _, key = path.partition(".")
+        out[section] = True if not key else out.get(section, set()) | {key}
+    return out
+
+
+EXECUTION_KEYS = _exclusion(EXECUTION_PATHS)
 
 
 def lineage_dump(params: Params) -> dict:

@@ -76,9 +76,6 @@ class Recipe:
         this recipe's stage that played iteration k's episodes."""
         return paths.metrics("experts") if k == 0 else paths.metrics(f"{self.plays}@{k}")
 
-    def setup(self) -> tuple[Stage, ...]:
-        return SETUP
-
     def evaluate(self) -> Stage:
         return Stage(
             "evaluate", "qevolve.stages.evaluate",

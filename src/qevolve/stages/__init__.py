@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from qevolve import paths
-from qevolve.config import Params, recorded_reads
+from qevolve.config import EXECUTION_PATHS, Params, recorded_reads
 from qevolve.recipe import Stage, UnknownStage, load_recipe
 
 
@@ -93,10 +93,10 @@ class UndeclaredParams(RuntimeError):
 
 def check_reads(name: str, spec: Stage, reads: set[str]) -> None:
     """Raise unless every params key the stage read is covered by its recipe's `params` (a key or one of
-    its parents), where it computes aside (`EXECUTION_KEYS`): the params deps in dvc.yaml come from that
+    its parents), where it computes aside (`EXECUTION_PATHS`): the params deps in dvc.yaml come from that
     list, so this is what keeps them complete."""
     def covered(key: str) -> bool:
-        return any(key == d or key.startswith(d + ".") for d in (*spec.params, "model.device", "train"))
+        return any(key == d or key.startswith(d + ".") for d in (*spec.params, *EXECUTION_PATHS))
 
     missing = sorted(k for k in reads if not covered(k))
     if missing:
