@@ -50,13 +50,20 @@ def test_flow_and_dvc_yaml_describe_the_same_stages(tmp_path):
         assert len(flow) == 4 + 6 * n
 
 
-def _stage_modules() -> dict[str, str]:
-    """stage -> the module of its function, over every method's recipe (Q-Evolve's with reranking)."""
+def _method_params() -> dict:
+    """method -> parameters with one iteration that use every stage of its recipe (Q-Evolve's with reranking)."""
     from qevolve.config import parse_params
-    from qevolve.recipe import load_recipe, methods
+    from qevolve.recipe import methods
 
     raw = {"qevolve": {"rerank": {"best_of": 2}}}
-    return {s.name: s.module for m in methods() for s in load_recipe(m).stages(parse_params({"method": m, **raw.get(m, {})}))}
+    return {m: parse_params({"method": m, "evolve": {"iterations": 1}, **raw.get(m, {})}) for m in methods()}
+
+
+def _stage_modules() -> dict[tuple[str, str], str]:
+    """(method, stage) -> the module of its function, over every method's recipe."""
+    from qevolve.recipe import load_recipe
+
+    return {(m, s.name): s.module for m, p in _method_params().items() for s in load_recipe(m).stages(p)}
 
 
 def test_stages_do_not_import_orchestration():
@@ -86,12 +93,9 @@ def test_every_module_a_stage_imports_is_one_of_its_dvc_deps():
     """dvc.yaml's code deps are computed from the imports (`dvcfile.code_deps`); this checks them against
     what importing each stage's module (and the CLI that runs it) really loads."""
     from qevolve import dvcfile
-    from qevolve.config import parse_params
 
     code = "import sys, qevolve.cli, {m}\nprint('\\n'.join(m.__file__ for n, m in sys.modules.items() if n.startswith('qevolve')))"
-    params = parse_params({"evolve": {"iterations": 1}, "rerank": {"best_of": 2}})
-    deps = {name: set(s.get("do", s)["deps"]) for name, s in dvcfile.spec(params)["stages"].items()}
-    deps.update({name: set(s.get("do", s)["deps"]) for name, s in dvcfile.spec(parse_params({"method": "grpo", "evolve": {"iterations": 1}}))["stages"].items()})
+    deps = {(m, name): set(s.get("do", s)["deps"]) for m, p in _method_params().items() for name, s in dvcfile.spec(p)["stages"].items()}
     for stage, module in _stage_modules().items():
         out = subprocess.run([sys.executable, "-c", code.format(m=module)], capture_output=True, text=True, check=True).stdout
         loaded = {str(Path(f).resolve().relative_to(REPO)) for f in out.split() if Path(f).stat().st_size}  # empty __init__ files aside
@@ -101,9 +105,10 @@ def test_every_module_a_stage_imports_is_one_of_its_dvc_deps():
         others = {f for f in loaded if f.startswith("src/qevolve/methods/") and f.split("/")[3] not in (own, "__init__.py")}
         assert loaded - others <= deps[stage], f"{stage}: dvc.yaml misses {sorted(loaded - others - deps[stage])}"
     # The gaps of the old hand-kept lists: the prompt builder's and the advantage reader's modules; the recipe.
-    assert {"src/qevolve/models/prompt.py", "src/qevolve/data/advantages.py", "src/qevolve/methods/qevolve/__init__.py"} <= deps["policy"]
-    assert "src/qevolve/models/prompt.py" in deps["collect"]
-    assert not any("methods/qevolve" in d for d in deps["bc"])  # a method's recipe is no dep of the shared stages
+    assert {"src/qevolve/models/prompt.py", "src/qevolve/data/advantages.py", "src/qevolve/methods/qevolve/__init__.py"} <= deps["qevolve", "policy"]
+    assert "src/qevolve/models/prompt.py" in deps["qevolve", "collect"]
+    assert not any("methods/qevolve" in d for d in deps["qevolve", "bc"])  # a method's recipe is no dep of the shared stages
+    assert {"src/qevolve/hierarchy/roles.py", "src/qevolve/methods/step_hrl/config.py"} <= deps["step_hrl", "bc"]
 
 
 def test_dvc_params_deps_are_the_keys_the_file_sets():
@@ -322,7 +327,7 @@ def test_a_method_is_its_package(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path / "src")},
                          capture_output=True, text=True, check=True).stdout.strip()
-    assert out == ("['grpo', 'grpo_copy', 'qevolve'] ['1', '2'] ['src/qevolve/methods/__init__.py', 'src/qevolve/methods/grpo/__init__.py', "
+    assert out == ("['grpo', 'grpo_copy', 'qevolve', 'step_hrl'] ['1', '2'] ['src/qevolve/methods/__init__.py', 'src/qevolve/methods/grpo/__init__.py', "
                    "'src/qevolve/methods/grpo/config.py', 'src/qevolve/methods/grpo_copy/__init__.py', 'src/qevolve/methods/grpo_copy/online.py'] "
                    "[('evaluate', 0), ('online', 1), ('evaluate', 1), ('online', 2), ('evaluate', 2)]")
 

@@ -6,19 +6,18 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from conftest import REPO
 from qevolve.config import ModelConfig
 from qevolve.data.atomic import atomic_dir
-from qevolve.data.store import StepRecord, Trajectory, read_store, write_store
+from qevolve.data.store import Trajectory, read_store, write_store
 from qevolve.envs import check_tasks
-from qevolve.envs.base import EnvironmentFailures, Observation, Step, Task
+from qevolve.envs.base import EnvironmentFailures, Task
 from qevolve.lock import WorkspaceBusy, workspace_lock
 from qevolve.models.base import ModelLoadError, load_base
-from qevolve.models.policy import Decision
+from qevolve.models.policy import Actor, Decision
 from qevolve.models.prompt import PromptBuilder
 from qevolve.rollout import play
 from tests.test_rollout import Corridor
@@ -101,7 +100,7 @@ def test_expert_data_about_unknown_tasks_is_refused_naming_file_and_field():
         check_tasks(env, [good, bad], "data/experts")
 
 
-class ScriptedActor:
+class ScriptedActor(Actor):
     """Writes the given outputs in turn, whatever it is shown."""
 
     mode, max_new_tokens = "free", 8

@@ -288,6 +288,19 @@ class MlflowConfig(Section):
     experiment: str = "qevolve"
 
 
+class CollectConfig(Section):
+    """`collect@k` of the methods that learn from their own episodes offline (Q-Evolve, STEP-HRL)."""
+
+    split: str = "train"
+    num_tasks: int = Field(16, ge=0)
+    """Train tasks the previous policy plays (0 = all)."""
+    samples_per_task: int = Field(2, gt=0)
+    """K: sampled episodes per task."""
+    batch_size: int = Field(8, gt=0)
+    seed: int = 1
+    """Seed of the task draw (iteration k adds k, so iterations see different tasks) and of sampling."""
+
+
 class EvolveConfig(Section):
     iterations: int = Field(0, ge=0)
     """Iterations after BC (0 = BC and its evaluation only)."""
@@ -306,6 +319,7 @@ class CommonParams(Section):
     prompt: PromptConfig = PromptConfig()
     policy: PolicyConfig = PolicyConfig()
     bc: BCConfig = BCConfig()
+    collect: CollectConfig = CollectConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     train: TrainRunConfig = TrainRunConfig()
     mlflow: MlflowConfig = MlflowConfig()
@@ -330,7 +344,8 @@ class CommonParams(Section):
     @model_validator(mode="after")
     def _fits_env(self) -> "CommonParams":
         experts, lists_actions, _ = ENVIRONMENTS[self.env.name]
-        for key, names in (("experts.split", [self.experts.split]), ("evaluate.splits", list(self.evaluate.splits))):
+        for key, names in (("experts.split", [self.experts.split]), ("collect.split", [self.collect.split]),
+                           ("evaluate.splits", list(self.evaluate.splits))):
             check_splits(self, key, names)
         unknown = sorted(set(self.experts.demos) - set(experts))
         if unknown:

@@ -1,7 +1,7 @@
 """A method as a recipe: the stages of its iterations, as data.
 
-Every method starts the same way (`experts`, `base`, `bc`, then `evaluate@0`) and ends each iteration
-k >= 1 with `evaluate@k`; its recipe lists the stages in between. From the recipe come the stage runner
+Every method starts with its setup stages, run once (by default `experts`, `base`, `bc`), then
+`evaluate@0`, and ends each iteration k >= 1 with `evaluate@k`; its recipe lists the stages in between. From the recipe come the stage runner
 that `qevolve run` calls (`qevolve.stages.run_stage`), dvc.yaml (`qevolve.dvcfile`) and the Prefect
 flow's order of tasks (`flows.evolve`), and with them the MLflow child runs and the table's rows.
 
@@ -60,6 +60,16 @@ class Stage:
     """Trains a model: `train.processes` > 1 runs it data-parallel under torchrun."""
 
 
+SETUP = (
+    Stage("experts", "qevolve.stages.experts", lambda k: {}, lambda k: {"out": paths.EXPERTS}, ("env", "experts"), once=True, details=True),
+    Stage("base", "qevolve.stages.base", lambda k: {"experts_dir": paths.EXPERTS}, lambda k: {"out": paths.BASE},
+          ("env.name", "model.base", "model.embedded", "model.context_tokens"), once=True),
+    Stage("bc", "qevolve.stages.bc", lambda k: {"base_dir": paths.BASE, "experts_dir": paths.EXPERTS}, lambda k: {"out": paths.BC},
+          ("env", *MODEL_PARAMS, "prompt", "bc"), once=True, curve=("step", "loss"), trainer=True),
+)
+"""The stages every method starts with, once."""
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A method: what happens in each of its iterations k >= 1 before `evaluate@k`."""
@@ -70,6 +80,12 @@ class Recipe:
     plays: str
     """The stage that plays train episodes in each iteration: its metrics carry the cumulative env-step
     count that the evaluations report."""
+    setup: tuple[Stage, ...] = SETUP
+    """The stages run once before `evaluate@0`; the last writes the policy of iteration 0 (`paths.BC`)."""
+    evaluate_module: str = "qevolve.stages.evaluate"
+    """Where `evaluate` (playing `paths.policy(k)` greedily on the evaluation splits) lives."""
+    evaluate_params: tuple[str, ...] = ()
+    """The params keys that this method's `evaluate` reads beside `ACTING_PARAMS` and `evaluate`."""
 
     def steps_before(self, k: int) -> Path:
         """The metrics file with the env steps spent to train policy k: the experts' for k = 0, else
@@ -78,14 +94,14 @@ class Recipe:
 
     def evaluate(self) -> Stage:
         return Stage(
-            "evaluate", "qevolve.stages.evaluate",
+            "evaluate", self.evaluate_module,
             lambda k: {"base_dir": paths.BASE, "policy_dir": paths.policy(k), "env_steps_path": self.steps_before(k)},
-            lambda k: {"out": paths.evaluation(k)}, (*ACTING_PARAMS, "evaluate"), takes_iteration=True,
+            lambda k: {"out": paths.evaluation(k)}, (*ACTING_PARAMS, "evaluate", *self.evaluate_params), takes_iteration=True,
         )
 
     def stages(self, params) -> tuple[Stage, ...]:
         """Every stage this method can run with these parameters: setup, evaluation and its iterations'."""
-        return (*SETUP, self.evaluate(), *self.iteration(params))
+        return (*self.setup, self.evaluate(), *self.iteration(params))
 
     def stage(self, name: str, params) -> Stage:
         found = {s.name: s for s in self.stages(params)}
@@ -96,17 +112,10 @@ class Recipe:
     def order(self, params, iterations: int) -> list[tuple[Stage, int | None]]:
         """(stage, iteration) in run order for `iterations` iterations (None for a once-only stage)."""
         each = (*self.iteration(params), self.evaluate())
-        return [(s, None) for s in SETUP] + [(self.evaluate(), 0)] + [(s, k) for k in range(1, iterations + 1) for s in each]
+        return [(s, None) for s in self.setup] + [(self.evaluate(), 0)] + [(s, k) for k in range(1, iterations + 1) for s in each]
 
 
-SETUP = (
-    Stage("experts", "qevolve.stages.experts", lambda k: {}, lambda k: {"out": paths.EXPERTS}, ("env", "experts"), once=True, details=True),
-    Stage("base", "qevolve.stages.base", lambda k: {"experts_dir": paths.EXPERTS}, lambda k: {"out": paths.BASE},
-          ("env.name", "model.base", "model.embedded", "model.context_tokens"), once=True),
-    Stage("bc", "qevolve.stages.bc", lambda k: {"base_dir": paths.BASE, "experts_dir": paths.EXPERTS}, lambda k: {"out": paths.BC},
-          ("env", *MODEL_PARAMS, "prompt", "bc"), once=True, curve=("step", "loss"), trainer=True),
-)
-"""The stages every method starts with, once."""
+
 
 
 def methods() -> list[str]:

@@ -27,7 +27,7 @@ from qevolve.envs import select_tasks
 from qevolve.envs.base import Task, TextEnv, check_env_failures, env_error
 from qevolve.models.device import placement
 from qevolve.models.policy import Actor
-from qevolve.models.prompt import clean_text, parse_action
+from qevolve.models.prompt import clean_text
 
 
 @dataclass
@@ -37,6 +37,8 @@ class _Episode:
     observations: list[str]
     admissible: list[str]
     outputs: list[str] = field(default_factory=list)
+    state: dict = field(default_factory=dict)
+    """What a stateful actor keeps about the episode (a hierarchical agent: its subtask and progress)."""
 
 
 def _attempt(call: Callable, arg):
@@ -113,14 +115,13 @@ def play(
         while any(slots):
             active = [s for s, e in enumerate(slots) if e is not None]
             episodes = [slots[s][1] for s in active]
-            reserve = actor.max_new_tokens if actor.mode == "free" else 0  # room for the generated turn
-            prompts = [actor.builder.prompt(e.traj.instruction, e.observations, e.outputs, reserve) for e in episodes]
-            decisions = actor.act(prompts, [e.admissible for e in episodes], greedy, generator, slots=active)
+            decisions = actor.decide(episodes, greedy, generator, active)
             outputs = [clean_text(d.output) for d in decisions]  # whatever the backend decoded, the store holds valid UTF-8
-            actions = [parse_action(o)[0] for o in outputs]
+            actions = [actor.parse(o) for o in outputs]
             stepping = [(s, a) for s, a in zip(active, actions) if a is not None]
             stepped = dict(zip([s for s, _ in stepping], mapper(lambda job: _attempt(envs[job[0]].step, job[1]), stepping)))
-            for s, ep, prompt, d, output, action in zip(active, episodes, prompts, decisions, outputs, actions):
+            moved = []
+            for s, ep, d, output, action in zip(active, episodes, decisions, outputs, actions):
                 if action is None:
                     obs, reward, done, won, valid, admissible = ep.observations[-1], 0.0, False, False, False, ep.admissible
                 else:
@@ -133,9 +134,10 @@ def play(
                     StepRecord(
                         step=len(ep.outputs), observation=ep.observations[-1], output=output, action=action,
                         next_observation=obs, reward=reward, done=done, won=won, valid=valid,
-                        logp=d.logp, prompt_tokens=len(prompt), output_tokens=d.output_tokens,
+                        logp=d.logp, prompt_tokens=d.prompt_tokens, output_tokens=d.output_tokens,
                     )
                 )
+                moved.append(ep)
                 ep.outputs.append(output)
                 ep.observations.append(obs)
                 ep.admissible = admissible
@@ -146,6 +148,7 @@ def play(
                     slots[s] = None
                     bar.update(1)
                     bar.set_postfix(success=f"{sum(t.won for t in results.values())}/{len(results)}")
+            actor.observed(moved)
             refill()
     finally:
         bar.close()

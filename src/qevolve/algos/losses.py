@@ -19,3 +19,10 @@ def masked_nll(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> t
     """
     target = mask[:, 1:].float()
     return -(token_logprobs(logits, ids) * target).sum() / target.sum().clamp(min=1.0)
+
+
+def sequence_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per sequence, the mean log-prob of its target tokens (`mask` as in `masked_nll`): (B,). An
+    output's log-likelihood normalised by its length, as STEP-HRL's losses use it."""
+    target = mask[:, 1:].float()
+    return (token_logprobs(logits, ids) * target).sum(-1) / target.sum(-1).clamp(min=1.0)

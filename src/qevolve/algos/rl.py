@@ -127,3 +127,9 @@ def kl_to_reference(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Ten
     any token an update pushed far down.)"""
     d = logp_new - logp_ref
     return (torch.exp(d) - 1.0 - d).mean()
+
+
+def advantage_pg_loss(logp_new: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """-mean(A * logp_new): what the public STEP-HRL code's actor minimises (raw, unclipped advantages, so a
+    negative one pushes probability away), in place of the paper's AWR (`awr_loss`)."""
+    return -(advantages.detach() * logp_new).mean()

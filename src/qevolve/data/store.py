@@ -127,16 +127,16 @@ def write_store(path: Path | str, trajectories: list[Trajectory]) -> None:
         pq.write_table(pa.Table.from_pylist(traj_rows, schema=_TRAJ_SCHEMA), tmp / "trajectories.parquet")
 
 
-def _read_checked(path: Path, schema: pa.Schema) -> pa.Table:
+def _read_checked(path: Path, schema: pa.Schema, schema_version: str = SCHEMA_VERSION) -> pa.Table:
     if not path.exists():
-        raise SchemaError(f"{path}: missing (expected a trajectory store file)")
+        raise SchemaError(f"{path}: missing (expected a Parquet file of a qevolve store)")
     try:
         file_schema = pq.read_schema(path)
     except (pa.ArrowInvalid, OSError) as err:
         raise SchemaError(f"{path}: not a readable Parquet file: {err}") from None
     version = (file_schema.metadata or {}).get(_VERSION_KEY, b"<none>").decode()
-    if version != SCHEMA_VERSION:
-        raise SchemaError(f"{path}: schema version {version!r}, expected {SCHEMA_VERSION!r}")
+    if version != schema_version:
+        raise SchemaError(f"{path}: schema version {version!r}, expected {schema_version!r}")
     for want in schema:
         if want.name not in file_schema.names:
             raise SchemaError(f"{path}: missing column {want.name!r} ({want.type})")

@@ -168,19 +168,33 @@ def converted_gguf(base: str, digest: str) -> Path:
     return out
 
 
+def _source(base_dir: Path | str) -> str:
+    """Where the model the `base` stage chose lives (its folder, or the pointer's target)."""
+    pointer = Path(base_dir) / POINTER
+    recorded = json.loads(pointer.read_text()) if pointer.exists() else {"base": str(base_dir)}
+    source = recorded["base"]
+    if "gguf_sha256" in recorded:
+        source = str(converted_gguf(source, recorded["gguf_sha256"]))
+    return str(Path(source).expanduser()) if source.startswith("~") else source
+
+
+def load_tokenizer(base_dir: Path | str):
+    """The base model's tokenizer alone."""
+    from transformers import AutoTokenizer
+
+    source = _source(base_dir)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except OSError as err:
+        raise ModelLoadError(f"model.base: cannot load the tokenizer of {source!r}: {err}") from None
+
+
 def load_base(base_dir: Path | str, dtype: str = "auto", device: str = "auto"):
     """(model, tokenizer) from what the `base` stage wrote, the model on `device` in `dtype` (both
     resolved by `qevolve.models.device`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base_dir = Path(base_dir)
-    pointer = base_dir / POINTER
-    recorded = json.loads(pointer.read_text()) if pointer.exists() else {"base": str(base_dir)}
-    source = recorded["base"]
-    if "gguf_sha256" in recorded:
-        source = str(converted_gguf(source, recorded["gguf_sha256"]))
-    if source.startswith("~"):
-        source = str(Path(source).expanduser())
+    source = _source(base_dir)
     where = resolve_device(device)
     try:
         tok = AutoTokenizer.from_pretrained(source)

@@ -21,7 +21,7 @@ from qevolve.config import ModelConfig
 from qevolve.errors import artifact
 from qevolve.models.backend import HFBackend, RolloutBackend
 from qevolve.models.base import load_base
-from qevolve.models.prompt import PromptBuilder, format_action
+from qevolve.models.prompt import PromptBuilder, format_action, parse_action
 
 _ACTION_LINE = re.compile(r"^\s*action\s*:[^\n]*\S[^\n]*\n", re.IGNORECASE | re.MULTILINE)
 """An `Action:` line with a command, ended by a newline: nothing after it is read."""
@@ -77,6 +77,8 @@ class Decision:
     logp: float
     """Behaviour log-prob of `output` under the distribution it was drawn from."""
     output_tokens: int
+    prompt_tokens: int = 0
+    """Tokens of the prompt(s) the decision read."""
 
 
 class Actor:
@@ -90,6 +92,23 @@ class Actor:
         self.mode, self.temperature, self.max_new_tokens = mode, temperature, max_new_tokens
         self.backend: RolloutBackend = HFBackend(model.eval(), tokenizer.pad_token_id, reuse=reuse_cache)
         self._end = builder.end_ids or [tokenizer.eos_token_id]
+
+    def decide(self, episodes: list, greedy: bool, generator: torch.Generator | None, slots: list[int]) -> list[Decision]:
+        """The next turn of each episode (`qevolve.rollout`'s: instruction, observations and outputs so
+        far, valid actions), from its whole history as one chat (truncated to the context budget)."""
+        reserve = self.max_new_tokens if self.mode == "free" else 0  # room for the generated turn
+        prompts = [self.builder.prompt(e.traj.instruction, e.observations, e.outputs, reserve) for e in episodes]
+        decisions = self.act(prompts, [e.admissible for e in episodes], greedy, generator, slots=slots)
+        for d, p in zip(decisions, prompts):
+            d.prompt_tokens = len(p)
+        return decisions
+
+    def parse(self, output: str) -> str | None:
+        """The action in an output, or None on a format error."""
+        return parse_action(output)[0]
+
+    def observed(self, episodes: list) -> None:
+        """Called after each round with the episodes that just took a step; a flat actor keeps no state."""
 
     def act(
         self, prompts: list[list[int]], admissible: list[list[str]], greedy: bool,

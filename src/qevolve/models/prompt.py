@@ -24,15 +24,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_REPLY = ("At each turn, reply with one action as 'Action: <command>' (you may think first on a line "
+REPLY = ("At each turn, reply with one action as 'Action: <command>' (you may think first on a line "
           "'Thought: ...'). The environment answers with what you observe.")
 INTRODUCTIONS = {
-    "alfworld": f"Interact with a household to solve a task. {_REPLY}",
-    "scienceworld": f"Carry out a science experiment in a simulated world to solve a task. {_REPLY}",
+    "alfworld": f"Interact with a household to solve a task. {REPLY}",
+    "scienceworld": f"Carry out a science experiment in a simulated world to solve a task. {REPLY}",
     "webshop": f"Shop on a web store for the product you are asked for. Use search[query] on the search page and "
-               f"click[button] to click a listed button. {_REPLY}",
+               f"click[button] to click a listed button. {REPLY}",
     "textcraft": f"Craft an item in Minecraft. Use 'get N item' for base items, 'craft N item using N item, ...' "
-                 f"with the listed recipes, and 'inventory'. {_REPLY}",
+                 f"with the listed recipes, and 'inventory'. {REPLY}",
 }
 """The first words of every prompt, per environment."""
 INSTRUCTION = INTRODUCTIONS["alfworld"]

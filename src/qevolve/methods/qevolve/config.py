@@ -1,5 +1,5 @@
-"""Q-Evolve's own sections of params.yaml (`collect`, `relabel`, `critic`, `advantage`, `rerank`) and its
-rules across sections. `policy` (how the policy acts and how `policy@k` updates it) is shared."""
+"""Q-Evolve's own sections of params.yaml (`relabel`, `critic`, `advantage`, `rerank`) and its rules across
+sections. `policy` (how the policy acts and how `policy@k` updates it) and `collect` are shared."""
 
 from __future__ import annotations
 
@@ -7,18 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from qevolve.config import Section, TrainConfig, check_splits
-
-
-class CollectConfig(Section):
-    split: str = "train"
-    num_tasks: int = Field(16, ge=0)
-    """Train tasks the previous policy plays (0 = all)."""
-    samples_per_task: int = Field(2, gt=0)
-    """K: sampled episodes per task."""
-    batch_size: int = Field(8, gt=0)
-    seed: int = 1
-    """Seed of the task draw (iteration k adds k, so iterations see different tasks) and of sampling."""
+from qevolve.config import Section, TrainConfig
 
 
 class RelabelConfig(Section):
@@ -70,11 +59,10 @@ class RerankConfig(Section):
     """Temperature of the policy distribution the N actions are drawn from."""
 
 
-SECTIONS = {"collect": CollectConfig, "relabel": RelabelConfig, "critic": CriticConfig, "advantage": AdvantageConfig, "rerank": RerankConfig}
+SECTIONS = {"relabel": RelabelConfig, "critic": CriticConfig, "advantage": AdvantageConfig, "rerank": RerankConfig}
 
 
 def check(params) -> None:
-    check_splits(params, "collect.split", [params.collect.split])
     if params.rerank.best_of and params.policy.action_mode != "admissible":
         raise ValueError("rerank.best_of: Best-of-N reranking draws from the valid actions; it needs policy.action_mode `admissible`")
     if params.rerank.best_of and params.method != "qevolve":

@@ -1,0 +1,146 @@
+"""The three roles of a hierarchical agent and the transitions each learns from.
+
+STEP-HRL's three policies share one model and are told apart by their prompts, each a single user turn
+of bounded size (no history):
+
+- high: task + subtasks done + the last subtask's final progress + the current observation -> the next subtask;
+- low: subtask + current observation + local progress -> `<action>; True|False` (True: the subtask is done);
+- progress: subtask + previous progress + action + resulting observation -> the new local progress.
+
+`transitions` turns an annotated trajectory (an expert's labelled by `qevolve.hierarchy.annotators`, or one
+the hierarchical agent played) into the three transition sets, with the rewards, done flags and next
+states of the paper's table (../shared/research/step-hrl.md, section 1): the high level gets the
+environment's reward summed over the subtask; the low and progress levels get +1 at a subtask's last
+step and -1 for a rejected action.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from qevolve.data.store import Trajectory
+from qevolve.hierarchy.annotators import NONE, Label
+from qevolve.models.prompt import INTRODUCTIONS, REPLY
+
+ROLES = ("high", "low", "progress")
+_INTROS = {
+    "high": "Plan the task as a sequence of subtasks. Reply with the next subtask only.",
+    "low": "Carry out the subtask. Reply with the next action and whether it completes the subtask: '<action>; True' or '<action>; False'.",
+    "progress": "Keep track of the subtask's progress. Reply with the updated local progress in one line.",
+}
+FINISHED, PARTIAL, FAILED = "Task successfully finished.", "Task not fully completed.", "Task failed."
+"""The next state after an episode's last step: how it ended."""
+SCIENCEWORLD_REJECTED = "No known action matches that input."
+"""The only rejection the public code's converters penalise (on ALFWorld too, where it never occurs)."""
+
+_LOW_OUTPUT = re.compile(r"^\s*(.*?)\s*;\s*(true|false)\s*$", re.IGNORECASE | re.DOTALL)
+
+
+def low_output(action: str, ends: bool) -> str:
+    return f"{action}; {ends}"
+
+
+def parse_low(output: str) -> tuple[str | None, bool]:
+    """(action, whether the subtask ends); (None, False) when `output` is not `<action>; True|False`."""
+    m = _LOW_OUTPUT.match(output.strip().splitlines()[0] if output.strip() else "")
+    if not m or not m.group(1):
+        return None, False
+    return m.group(1).lower(), m.group(2).lower() == "true"
+
+
+@dataclass(frozen=True)
+class RolePrompts:
+    """The user turn of each role for environment `env`. `progress=False` is the paper's "w/o LP" ablation:
+    the low level sees the subtask and the observation only, and no progress is kept. `clip` shortens an
+    observation (`PromptBuilder.clip`)."""
+
+    env: str
+    progress: bool = True
+    clip: Callable[[str], str] = lambda text: text
+
+    def intro(self, role: str) -> str:
+        return f"{INTRODUCTIONS[self.env].replace(REPLY, '').strip()} {_INTROS[role]}"
+
+    def high(self, instruction: str, done: list[str], last_progress: str, observation: str) -> str:
+        lines = [self.intro("high"), f"Task: {instruction}", f"Subtasks done: {', '.join(done) or NONE}"]
+        if self.progress:
+            lines.append(f"Last subtask progress: {last_progress}")
+        return "\n".join([*lines, f"Current observation: {self.clip(observation).strip()}"])
+
+    def low(self, subtask: str, observation: str, progress: str) -> str:
+        lines = [self.intro("low"), f"Subtask: {subtask}", f"Current observation: {self.clip(observation).strip()}"]
+        return "\n".join(lines + ([f"Local progress: {progress}"] if self.progress else []))
+
+    def progress_state(self, subtask: str, previous: str, action: str, observation: str) -> str:
+        return "\n".join([self.intro("progress"), f"Subtask: {subtask}", f"Previous local progress: {previous}",
+                          f"Action: {action}", f"Resulting observation: {self.clip(observation).strip()}"])
+
+
+@dataclass
+class Transition:
+    trajectory_id: str
+    task_id: str
+    split: str
+    source: str
+    subtask_index: int
+    step: int
+    """The environment step the transition starts at (high: the subtask's first step)."""
+    state_text: str
+    output_text: str
+    reward: float
+    done: bool
+    next_state_text: str
+    won: bool
+
+
+def transitions(traj: Trajectory, labels: list[Label], prompts: RolePrompts, repo_compat: bool = False) -> dict[str, list[Transition]]:
+    """The high, low and progress transitions of one annotated trajectory (progress: none when
+    `prompts.progress` is off). `repo_compat`: penalise a rejected action only on ScienceWorld's rejection
+    text, as the public code's converters do (so never on ALFWorld), instead of on every invalid step."""
+    if len(labels) != len(traj.steps):
+        raise ValueError(f"trajectory {traj.trajectory_id}: {len(labels)} labels for {len(traj.steps)} steps")
+    steps = traj.steps
+    end = FINISHED if traj.won else PARTIAL if traj.reward > 0 else FAILED
+    before = [NONE if t == 0 or labels[t - 1].ends else labels[t - 1].progress for t in range(len(steps))]
+    row = dict(trajectory_id=traj.trajectory_id, task_id=traj.task_id, split=traj.split, source=traj.source, won=traj.won)
+
+    def rejected(t: int) -> bool:
+        return steps[t].next_observation.strip() == SCIENCEWORLD_REJECTED if repo_compat else not steps[t].valid
+
+    def low_state(t: int) -> str:
+        return prompts.low(labels[t].subtask, steps[t].observation, before[t])
+
+    starts = [t for t in range(len(steps)) if t == 0 or labels[t - 1].ends]
+    done_names: list[str] = []
+    high_states = []
+    for k, t in enumerate(starts):
+        last_progress = NONE if k == 0 else labels[t - 1].progress
+        high_states.append(prompts.high(traj.instruction, list(done_names), last_progress, steps[t].observation))
+        done_names.append(labels[t].subtask)
+    out: dict[str, list[Transition]] = {role: [] for role in ROLES}
+    for k, t in enumerate(starts):
+        last = (starts[k + 1] if k + 1 < len(starts) else len(steps)) - 1
+        out["high"].append(Transition(
+            **row, subtask_index=labels[t].subtask_index, step=t, state_text=high_states[k], output_text=labels[t].subtask,
+            reward=float(sum(s.reward for s in steps[t : last + 1])), done=steps[last].done,
+            next_state_text=high_states[k + 1] if k + 1 < len(starts) else end,
+        ))
+    for t, (s, label) in enumerate(zip(steps, labels)):
+        reward = 1.0 if label.ends else -1.0 if rejected(t) else 0.0
+        final = t + 1 == len(steps)
+        if final and not label.ends:  # cut off inside a subtask: the next state is where it stopped
+            next_low = prompts.low(label.subtask, s.next_observation, label.progress)
+        else:
+            next_low = end if final else low_state(t + 1)
+        out["low"].append(Transition(**row, subtask_index=label.subtask_index, step=t, state_text=low_state(t),
+                                     output_text=low_output(s.action or s.output, label.ends), reward=reward, done=label.ends,
+                                     next_state_text=next_low))
+        if prompts.progress:
+            state = prompts.progress_state(label.subtask, before[t], s.action or s.output, s.next_observation)
+            nxt = end if final else prompts.progress_state(labels[t + 1].subtask, before[t + 1], steps[t + 1].action or steps[t + 1].output,
+                                                           steps[t + 1].next_observation)
+            out["progress"].append(Transition(**row, subtask_index=label.subtask_index, step=t, state_text=state, output_text=label.progress,
+                                              reward=reward, done=label.ends, next_state_text=nxt))
+    return out

@@ -1,0 +1,51 @@
+"""`annotate`: the expert trajectories cut into subtasks with each step's local progress, as the three
+transition sets the hierarchical policy learns from (high, low, progress; `qevolve.data.transitions`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tqdm import tqdm
+
+from qevolve.config import Params
+from qevolve.data.atomic import write_json
+from qevolve.data.store import read_store
+from qevolve.data.transitions import write_transitions
+from qevolve.envs import check_tasks, make_env
+from qevolve.hierarchy.annotators import llm_labels, rule_labels
+from qevolve.hierarchy.roles import ROLES, RolePrompts, transitions
+from qevolve.methods.step_hrl.shared import encode, role_builder
+from qevolve.models.base import load_tokenizer
+
+
+def annotate(params: Params, experts_dir: Path, base_dir: Path, out: Path, metrics_path: Path) -> dict:
+    """Label every expert trajectory (`step_hrl.annotator`) and write its transitions; every trajectory is
+    labelled before anything is written, so a failing annotator leaves no partial store."""
+    cfg = params.step_hrl
+    trajs = [t for t in read_store(experts_dir) if t.steps]
+    if not trajs:
+        raise ValueError(f"{experts_dir}: no expert trajectories to annotate")
+    check_tasks(make_env(params.env), trajs, str(experts_dir))
+    tok = load_tokenizer(base_dir)
+    builder = role_builder(params, tok)
+    prompts = RolePrompts(params.env.name, cfg.progress, builder.clip)
+    sets: dict[str, list] = {role: [] for role in ROLES}
+    subtasks = 0
+    for t in tqdm(trajs, desc="annotate", unit="traj"):
+        labels = llm_labels(cfg.llm_url, cfg.llm_model, t) if cfg.annotator == "llm" else rule_labels(params.env.name, t)
+        subtasks += labels[-1].subtask_index + 1
+        for role, rows in transitions(t, labels, prompts, cfg.repo_compat).items():
+            sets[role] += rows
+    write_transitions(out, sets, lambda text: len(tok.encode(text, add_special_tokens=False)))
+    high, low = sets["high"], sets["low"]
+    metrics = {
+        "trajectories": len(trajs),
+        "subtasks_per_trajectory": subtasks / len(trajs),
+        "steps_per_subtask": len(low) / max(subtasks, 1),
+        "distinct_subtasks": len({h.output_text for h in high}),
+        **{f"{role}_transitions": len(rows) for role, rows in sets.items()},
+        **{f"{role}_prompt_tokens_mean": sum(len(encode(builder, r.state_text, "")[0]) for r in rows) / len(rows)
+           for role, rows in sets.items() if rows},
+    }
+    write_json(metrics_path, metrics)
+    return metrics

@@ -1,0 +1,64 @@
+"""`collect@k` (STEP-HRL): the previous policy's own hierarchical episodes on train tasks, sampled, kept as
+episodes and as the three transition sets its decisions make (the same sets `annotate` makes of experts)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from qevolve.config import Params
+from qevolve.data.atomic import atomic_dir, write_json
+from qevolve.data.store import write_store
+from qevolve.data.transitions import write_transitions
+from qevolve.envs import make_env, select_tasks
+from qevolve.envs.base import check_env_failures, env_failures
+from qevolve.hierarchy.roles import ROLES, transitions
+from qevolve.methods.step_hrl.shared import COLLECTED, make_agent
+from qevolve.rollout import play_in
+
+EPISODES = "episodes"
+"""The step store in a `collect@k` folder, beside its transitions (`COLLECTED`)."""
+
+
+def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics_path: Path, iteration: int, previous_metrics: Path) -> dict:
+    cfg = params.collect
+    torch.manual_seed(cfg.seed + iteration)
+    agent = make_agent(params, base_dir, policy_dir, temperature=params.policy.temperature)
+    tasks = select_tasks(make_env(params.env), cfg.split, params.env, cfg.num_tasks, cfg.seed + iteration)
+    trajs = play_in(
+        params.env, [t for t in tasks for _ in range(cfg.samples_per_task)], agent, greedy=False,
+        source=f"policy@{iteration - 1}", batch_size=cfg.batch_size, seed=cfg.seed + iteration, desc=f"collect@{iteration}",
+    )
+    failures = env_failures(trajs)
+    trajs, _ = check_env_failures(trajs, params.env.max_failure_ratio, f"collect@{iteration}")
+    sets: dict[str, list] = {role: [] for role in ROLES}
+    for t in trajs:
+        if t.steps:
+            for role, rows in transitions(t, agent.labels[t.trajectory_id], agent.prompts, params.step_hrl.repo_compat).items():
+                sets[role] += rows
+    with atomic_dir(out) as tmp:
+        write_store(tmp / EPISODES, trajs)
+        write_transitions(tmp / COLLECTED, sets, lambda text: len(agent.tok.encode(text, add_special_tokens=False)))
+    env_steps = sum(len(t.steps) for t in trajs)
+    before = json.loads(Path(previous_metrics).read_text())
+    tokens = sum(s.prompt_tokens + s.output_tokens for t in trajs for s in t.steps)
+    generated = sum(s.output_tokens for t in trajs for s in t.steps)
+    metrics = {
+        "env_failures": sum(failures.values()),
+        "env_failure_reasons": failures,
+        "episodes": len(trajs),
+        "tasks": len(tasks),
+        "success_rate": sum(t.won for t in trajs) / max(len(trajs), 1),
+        **{f"{role}_transitions": len(rows) for role, rows in sets.items()},
+        "env_steps": env_steps,
+        "cumulative_env_steps": before["cumulative_env_steps"] + env_steps,
+        "tokens": tokens,
+        "cumulative_tokens": before.get("cumulative_tokens", 0) + tokens,
+        "generated_tokens": generated,
+        "cumulative_generated_tokens": before.get("cumulative_generated_tokens", 0) + generated,
+        "invalid_rate": sum(not s.valid for t in trajs for s in t.steps) / max(env_steps, 1),
+    }
+    write_json(metrics_path, metrics)
+    return metrics

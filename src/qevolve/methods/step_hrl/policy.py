@@ -1,0 +1,83 @@
+"""`policy@k` (STEP-HRL): the advantage-weighted actor. Every output of every level (expert and collected,
+mixed as for `critic@k`) is weighted by min(exp(A / beta), max_weight), A from `critic@k`, and the loss is
+the mean over outputs of -weight * (the output's length-normalised log-likelihood): the paper's AWR. With
+`step_hrl.repo_compat` the loss is -mean(A * log-likelihood), the public code's effective update."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from qevolve.algos.losses import sequence_logprobs
+from qevolve.algos.rl import advantage_pg_loss, awr_loss
+from qevolve.config import Params
+from qevolve.data.atomic import atomic_dir, write_json
+from qevolve.errors import artifact
+from qevolve.hierarchy.roles import ROLES
+from qevolve.methods.step_hrl.shared import ROLES_FILE, encode, read_advantages, role_builder, training_sets
+from qevolve.models.device import model_device, placement
+from qevolve.models.policy import load_policy
+from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train
+
+Item = tuple[list[int], list[int], float]
+"""(ids, mask over the output, advantage)."""
+
+
+def actor_step(model, micro: list[list[Item]], beta: float, max_weight: float, repo_compat: bool, pad_id: int) -> dict:
+    total = sum(len(mb) for mb in micro)
+    device = model_device(model)
+    sums = {"loss": 0.0, "logp": 0.0}
+    for mb in micro:
+        ids, attn = pad_ids([x for x, _, _ in mb], pad_id, device)
+        mask, _ = pad_ids([m for _, m, _ in mb], 0, device)
+        adv = torch.tensor([a for _, _, a in mb], device=device)
+        logp = sequence_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids, mask)
+        loss = (advantage_pg_loss(logp, adv) if repo_compat else awr_loss(logp, adv, beta, max_weight)) * len(mb) / total
+        loss.backward()
+        sums["loss"] += loss.item()
+        sums["logp"] += logp.detach().sum().item() / total
+    return sums
+
+
+def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, collected_dir: Path, advantage_dir: Path, out: Path,
+           metrics_path: Path, curve_path: Path) -> dict:
+    cfg, hrl = params.step_hrl.policy, params.step_hrl
+    sets = training_sets(params, data_dir, collected_dir)
+    advantages = read_advantages(advantage_dir)
+    model, tok = load_policy(base_dir, params.model, adapter=previous_dir, trainable=True)
+    builder = role_builder(params, tok)
+    items = []
+    for role in ROLES:
+        for r in sets[role]:
+            key = (r["trajectory_id"], role, r["step"])
+            if key not in advantages:
+                raise artifact(Path(advantage_dir), f"no advantage for {role} transition {key[0]} step {key[2]}: it was written for other data")
+            items.append((*encode(builder, r["state_text"], r["output_text"]), advantages[key]))
+    weights = torch.exp(torch.tensor([a for _, _, a in items]) / cfg.beta).clamp(max=cfg.max_weight)
+    start = time.perf_counter()
+    curve = train(model, items, cfg, lambda it: len(it[0]),
+                  lambda micro: actor_step(model, micro, cfg.beta, cfg.max_weight, hrl.repo_compat, tok.pad_token_id), "policy",
+                  checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, data_dir, collected_dir, advantage_dir))
+    elapsed = time.perf_counter() - start
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        shutil.copy(previous_dir / ROLES_FILE, tmp / ROLES_FILE)
+    metrics = {
+        "loss": last_epoch_mean(curve, "loss"),
+        "first_loss": curve[0]["loss"],
+        "logp": last_epoch_mean(curve, "logp"),
+        "first_logp": curve[0]["logp"],
+        "examples": len(items),
+        "weight_mean": float(weights.mean()),
+        "weight_clipped": float((weights >= cfg.max_weight).float().mean()),
+        "repo_compat": hrl.repo_compat,
+        "train_seconds": elapsed,
+        **placement(model),
+    }
+    write_json(metrics_path, metrics)
+    write_json(curve_path, curve)
+    checkpoint_path(out).unlink(missing_ok=True)  # the artifact is complete
+    return metrics

@@ -1,0 +1,96 @@
+"""What STEP-HRL's stages share: the roles file saved with a policy, the prompts' token ids, the agent."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pyarrow as pa
+
+from qevolve.data.store import _read_checked
+from qevolve.data.transitions import read_transitions
+from qevolve.errors import artifact
+from qevolve.hierarchy.agent import HierarchicalAgent
+from qevolve.hierarchy.roles import ROLES, RolePrompts
+from qevolve.models.policy import load_policy
+from qevolve.models.prompt import PromptBuilder
+
+COLLECTED = "transitions"
+"""The transition store inside a `collect@k` folder (beside `episodes`, its step store)."""
+ADVANTAGES = "advantages.parquet"
+"""The file in an `advantage@k` folder: A = Q - V of every transition `critic@k` trained on."""
+ADVANTAGE_SCHEMA = pa.schema([("trajectory_id", pa.string()), ("level", pa.string()), ("step", pa.int32()), ("advantage", pa.float64()),
+                              ("v", pa.float64()), ("q", pa.float64())], metadata={b"qevolve.schema_version": b"1"})
+ROLES_FILE = "roles.json"
+"""Saved beside a policy's adapter: the environment, whether it keeps progress, and the subtasks its high
+level chooses among, so acting uses what training used."""
+
+
+def role_builder(params, tokenizer) -> PromptBuilder:
+    """The chat format around each role's single turn, and the observation clip (`prompt.max_observation_tokens`)."""
+    return PromptBuilder(tokenizer, params.model.context_tokens, max_observation_tokens=params.prompt.max_observation_tokens, intro="")
+
+
+def encode(builder: PromptBuilder, state_text: str, output_text: str) -> tuple[list[int], list[int]]:
+    """(ids, mask) of one role call: its prompt, then its output (the mask's 1s) and end-of-turn marker."""
+    prompt = builder.head_ids + builder.user_turn(state_text)
+    output = builder.action_ids(output_text)
+    return prompt + output, [0] * len(prompt) + [1] * len(output)
+
+
+def write_roles(folder: Path, env: str, progress: bool, subtasks: list[str]) -> None:
+    (folder / ROLES_FILE).write_text(json.dumps({"env": env, "progress": progress, "subtasks": subtasks}, indent=1) + "\n")
+
+
+def read_roles(policy_dir: Path) -> dict:
+    path = Path(policy_dir) / ROLES_FILE
+    try:
+        roles = json.loads(path.read_text())
+        _ = roles["env"], roles["progress"], list(roles["subtasks"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise artifact(path, f"cannot read the roles the policy was trained with ({type(err).__name__}: {err})") from None
+    return roles
+
+
+def make_agent(params, base_dir: Path, policy_dir: Path, temperature: float) -> HierarchicalAgent:
+    """The hierarchical agent of the policy at `policy_dir` (its adapter merged into the base, shared by
+    the three roles), acting as its roles file says."""
+    roles = read_roles(policy_dir)
+    if roles["env"] != params.env.name:
+        raise artifact(Path(policy_dir) / ROLES_FILE, f"the policy was trained on {roles['env']!r}, not env.name {params.env.name!r}")
+    model, tok = load_policy(base_dir, params.model, adapter=policy_dir)
+    builder = role_builder(params, tok)
+    cfg = params.step_hrl
+    return HierarchicalAgent(
+        dict.fromkeys(ROLES, model), tok, builder, RolePrompts(params.env.name, roles["progress"], builder.clip),
+        mode=params.policy.action_mode, high_mode=cfg.high_mode, subtasks=roles["subtasks"], temperature=temperature,
+        max_new_tokens=params.policy.max_new_tokens, progress_tokens=cfg.progress_tokens, max_subtask_steps=cfg.max_subtask_steps,
+    )
+
+
+def mix(expert: list[dict], collected: list[dict], collected_per_expert: float, seed: int) -> list[dict]:
+    """Expert and collected transitions at `collected_per_expert` collected per expert one (0: all of both):
+    the set with more than its share is subsampled, without replacement, with `seed`."""
+    if not collected_per_expert or not expert or not collected:
+        return expert + collected
+    rng = random.Random(seed)
+    if len(collected) > collected_per_expert * len(expert):
+        collected = rng.sample(collected, round(collected_per_expert * len(expert)))
+    else:
+        expert = rng.sample(expert, max(1, round(len(collected) / collected_per_expert)))
+    return expert + collected
+
+
+def training_sets(params, data_dir: Path, collected_dir: Path) -> dict[str, list[dict]]:
+    """Per level, the expert transitions (`annotate`) and the collected ones (`collect@k`) mixed at
+    `step_hrl.collected_per_expert`, drawn with `step_hrl.critic.seed`: what `critic@k` and `policy@k` train on."""
+    expert, collected = read_transitions(data_dir), read_transitions(Path(collected_dir) / COLLECTED)
+    cfg = params.step_hrl
+    return {role: mix(expert[role], collected[role], cfg.collected_per_expert, cfg.critic.seed) for role in ROLES}
+
+
+def read_advantages(folder: Path) -> dict[tuple[str, str, int], float]:
+    """(trajectory_id, level, step) -> advantage, from an `advantage@k` folder."""
+    rows = _read_checked(Path(folder) / ADVANTAGES, ADVANTAGE_SCHEMA, "1").to_pylist()
+    return {(r["trajectory_id"], r["level"], r["step"]): r["advantage"] for r in rows}

@@ -1,0 +1,222 @@
+"""STEP-HRL: the rule annotators, the three transition sets, the LLM annotator against a fake server, the
+transition store, the losses, and the recipe end to end on TextCraft."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from qevolve import paths
+from qevolve.algos.losses import sequence_logprobs
+from qevolve.algos.rl import advantage_pg_loss
+from qevolve.config import ConfigError, parse_params
+from qevolve.data.store import SchemaError, StepRecord, Trajectory
+from qevolve.data.transitions import read_transitions, write_transitions
+from qevolve.hierarchy.annotators import AnnotatorError, Label, llm_labels, rule_labels
+from qevolve.hierarchy.roles import FAILED, FINISHED, RolePrompts, parse_low, transitions
+from qevolve.methods.step_hrl.shared import mix
+from qevolve.models.policy import load_policy
+from qevolve.stages import iteration_stages, pipeline, run_stage
+from tests.test_env_pipelines import _tiny
+
+
+def _traj(actions, rewards=None, valid=None, won=True, env_obs="obs") -> Trajectory:
+    rewards = rewards or [0.0] * (len(actions) - 1) + [1.0 if won else 0.0]
+    valid = valid or [True] * len(actions)
+    steps = [StepRecord(step=i, observation=f"{env_obs} {i}", output=f"Action: {a}", action=a, next_observation=f"{env_obs} {i + 1}",
+                        reward=r, done=won and i == len(actions) - 1, won=won and i == len(actions) - 1, valid=v)
+             for i, (a, r, v) in enumerate(zip(actions, rewards, valid))]
+    return Trajectory("t1", "task", "type", "train", "expert", "put a pen on the shelf.", won=won, steps=steps)
+
+
+def _summary(labels):
+    return [(lab.subtask_index, lab.subtask, lab.progress, lab.ends) for lab in labels]
+
+
+def test_alfworld_rules_cut_at_each_world_change_and_track_checked_places_then_route():
+    t = _traj(["look", "go to drawer 1", "open drawer 1", "go to desk 1", "take pen 1 from desk 1", "go to shelf 1", "move pen 1 to shelf 1"])
+    assert _summary(rule_labels("alfworld", t)) == [
+        (0, "find and take the pen", "searching for the pen", False),
+        (0, "find and take the pen", "searching for the pen || [Checked: drawer 1]", False),
+        (0, "find and take the pen", "searching for the pen || [Checked: drawer 1]", False),
+        (0, "find and take the pen", "searching for the pen || [Checked: drawer 1, desk 1]", False),
+        (0, "find and take the pen", "done: take pen 1 from desk 1", True),
+        (1, "put the pen in/on the shelf", "on the way || [Route: shelf 1]", False),
+        (1, "put the pen in/on the shelf", "done: move pen 1 to shelf 1", True),
+    ]
+    lamp = _traj(["go to desk 1", "take book 2 from desk 1", "go to sidetable 1", "use desklamp 1"])
+    assert [s for _, s, _, e in _summary(rule_labels("alfworld", lamp)) if e] == ["find and take the book", "use the desklamp"]
+
+
+def test_textcraft_webshop_and_scienceworld_rules():
+    craft = _traj(["get 1 oak log", "craft 4 oak planks using 1 oak log", "get 2 stick", "craft 1 wooden sword using 2 oak planks, 1 stick"])
+    assert _summary(rule_labels("textcraft", craft)) == [
+        (0, "craft 4 oak planks", "gathering ingredients || [Gathered: 1 oak log]", False),
+        (0, "craft 4 oak planks", "done: 4 oak planks crafted", True),
+        (1, "craft 1 wooden sword", "gathering ingredients || [Gathered: 2 stick]", False),
+        (1, "craft 1 wooden sword", "done: 1 wooden sword crafted", True),
+    ]
+    shop = _traj(["search[red shirt]", "click[next >]", "click[b01]", "click[red]", "click[large]", "click[buy now]"])
+    assert [(i, s, e) for i, s, _, e in _summary(rule_labels("webshop", shop))] == [
+        (0, "search for the product", True), (1, "choose a matching product", False), (1, "choose a matching product", True),
+        (2, "select the options", False), (2, "select the options", True), (3, "buy the product", True)]
+    assert rule_labels("webshop", shop)[4].progress == "picking options || [Selected: red, large]"
+    science = _traj(["open door to kitchen", "go to kitchen", "pick up thermometer", "look around", "focus on water", "connect battery to wire"])
+    assert [(i, s, e) for i, s, _, e in _summary(rule_labels("scienceworld", science))] == [
+        (0, "go to the kitchen", False), (0, "go to the kitchen", True), (1, "pick up thermometer", True),
+        (2, "focus on water", False), (2, "focus on water", True), (3, "connect battery to wire", True)]
+    assert rule_labels("scienceworld", science)[1].progress == "moving || [Route: kitchen -> kitchen]"
+    assert rule_labels("scienceworld", science)[5].progress == "wiring || [Connections: battery - wire]"
+    with pytest.raises(ValueError, match="no rule annotator for environment 'nowhere'"):
+        rule_labels("nowhere", shop)
+
+
+def test_transitions_carry_the_papers_rewards_done_flags_and_next_states():
+    t = _traj(["go to desk 1", "take pen 1 from desk 1", "go to shelf 1", "move pen 1 to shelf 1"], rewards=[0, 0, 0, 1.0],
+              valid=[True, True, False, True])
+    labels = rule_labels("alfworld", t)
+    sets = transitions(t, labels, RolePrompts("alfworld"))
+    high, low, progress = sets["high"], sets["low"], sets["progress"]
+    assert [h.output_text for h in high] == ["find and take the pen", "put the pen in/on the shelf"]
+    assert [(h.reward, h.done, h.step) for h in high] == [(0.0, False, 0), (1.0, True, 2)]
+    assert high[0].next_state_text == high[1].state_text and high[1].next_state_text == FINISHED
+    assert "Subtasks done: find and take the pen" in high[1].state_text and "Last subtask progress: done: take pen 1" in high[1].state_text
+    # low: +1 at each subtask's last step, -1 on the rejected step, done at the subtask's end
+    assert [(x.reward, x.done) for x in low] == [(0.0, False), (1.0, True), (-1.0, False), (1.0, True)]
+    assert [x.output_text for x in low] == ["go to desk 1; False", "take pen 1 from desk 1; True", "go to shelf 1; False",
+                                           "move pen 1 to shelf 1; True"]
+    assert low[1].next_state_text == low[2].state_text and low[3].next_state_text == FINISHED
+    assert "Local progress: None" in low[2].state_text  # a new subtask starts from no progress
+    assert [x.output_text for x in progress] == [lab.progress for lab in labels] and [x.reward for x in progress] == [x.reward for x in low]
+    # the public code penalises only ScienceWorld's rejection text, so never on ALFWorld
+    assert [x.reward for x in transitions(t, labels, RolePrompts("alfworld"), repo_compat=True)["low"]] == [0.0, 1.0, 0.0, 1.0]
+    # w/o LP: no progress in the low prompt, no progress transitions
+    plain = transitions(t, labels, RolePrompts("alfworld", progress=False))
+    assert plain["progress"] == [] and all("Local progress" not in x.state_text for x in plain["low"])
+    lost = _traj(["go to desk 1", "go to shelf 1"], won=False)
+    cut = transitions(lost, rule_labels("alfworld", lost), RolePrompts("alfworld"))
+    assert cut["high"][0].next_state_text == FAILED and not cut["low"][-1].done and "obs 2" in cut["low"][-1].next_state_text
+
+
+def test_low_outputs_parse_into_action_and_flag():
+    assert parse_low("open drawer 1; True") == ("open drawer 1", True)
+    assert parse_low(" Go To Desk 1 ; false\nmore") == ("go to desk 1", False)
+    assert parse_low("open drawer 1") == (None, False) and parse_low("; True") == (None, False) and parse_low("") == (None, False)
+
+
+class _FakeChat(BaseHTTPRequestHandler):
+    answer = ""
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["messages"][0]["content"].startswith("Split this expert trajectory")
+        data = json.dumps({"choices": [{"message": {"content": type(self).answer}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_llm():
+    server = HTTPServer(("127.0.0.1", 0), _FakeChat)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}/v1"
+    server.shutdown()
+
+
+def test_llm_annotator_reads_an_openai_compatible_answer_and_refuses_a_bad_one(fake_llm):
+    t = _traj(["go to desk 1", "take pen 1 from desk 1", "move pen 1 to shelf 1"])
+    _FakeChat.answer = json.dumps([{"subtask": "get the pen", "steps": 2, "progress": ["at desk", "holding pen"]},
+                                   {"subtask": "place it", "steps": 1, "progress": ["placed"]}])
+    assert llm_labels(fake_llm, "m", t) == [Label(0, "get the pen", "at desk", False), Label(0, "get the pen", "holding pen", True),
+                                            Label(1, "place it", "placed", True)]
+    _FakeChat.answer = json.dumps([{"subtask": "get the pen", "steps": 2, "progress": ["a", "b"]}])
+    with pytest.raises(AnnotatorError, match="covers 2 steps, the trajectory has 3"):
+        llm_labels(fake_llm, "m", t)
+    _FakeChat.answer = "I would split it like this: ..."
+    with pytest.raises(AnnotatorError, match="not the JSON asked for"):
+        llm_labels(fake_llm, "m", t)
+    with pytest.raises(AnnotatorError, match=r"step_hrl.llm_url = 'http://127.0.0.1:9/v1': no usable answer"):
+        llm_labels("http://127.0.0.1:9/v1", "m", t, timeout=5)
+    with pytest.raises(ConfigError, match="step_hrl.llm_url: annotator `llm` needs the http"):
+        parse_params({"method": "step_hrl", "step_hrl": {"annotator": "llm", "llm_url": "localhost:8000"}})
+
+
+def test_transition_store_round_trips_and_fails_loudly_on_a_schema_mismatch(tmp_path):
+    t = _traj(["go to desk 1", "take pen 1 from desk 1"])
+    sets = transitions(t, rule_labels("alfworld", t), RolePrompts("alfworld"))
+    write_transitions(tmp_path / "s", sets, len)
+    back = read_transitions(tmp_path / "s")
+    assert [r["output_text"] for r in back["low"]] == [x.output_text for x in sets["low"]]
+    assert back["high"][0]["prompt_tokens"] == len(sets["high"][0].state_text)
+    table = pq.read_table(tmp_path / "s" / "low.parquet")
+    pq.write_table(table.drop(["reward"]).replace_schema_metadata(table.schema.metadata), tmp_path / "s" / "low.parquet")
+    with pytest.raises(SchemaError, match=r"low.parquet: missing column 'reward'"):
+        read_transitions(tmp_path / "s")
+    pq.write_table(table.replace_schema_metadata({b"qevolve.schema_version": b"0"}), tmp_path / "s" / "low.parquet")
+    with pytest.raises(SchemaError, match=r"low.parquet: schema version '0', expected '1'"):
+        read_transitions(tmp_path / "s")
+
+
+def test_length_normalised_logprob_and_the_repos_actor_loss_match_hand_computed_values():
+    # vocabulary of 2, logits 0 everywhere except where given: log p = log softmax
+    logits = torch.zeros(1, 4, 2)
+    logits[0, 1] = torch.tensor([0.0, torch.log(torch.tensor(3.0))])  # p(token 1) = 3/4 at position 2
+    ids = torch.tensor([[0, 0, 1, 0]])
+    mask = torch.tensor([[0, 0, 1, 1]])  # targets: ids[2] = 1 (p 3/4), ids[3] = 0 (p 1/2)
+    expected = (torch.log(torch.tensor(0.75)) + torch.log(torch.tensor(0.5))) / 2
+    assert torch.allclose(sequence_logprobs(logits, ids, mask), expected.reshape(1))
+    logp, adv = torch.tensor([-1.0, -2.0]), torch.tensor([0.5, -1.0])
+    assert torch.isclose(advantage_pg_loss(logp, adv), torch.tensor(-(0.5 * -1.0 + -1.0 * -2.0) / 2))  # = -0.75
+
+
+def test_mix_keeps_one_expert_transition_per_two_collected():
+    expert, collected = [{"e": i} for i in range(10)], [{"c": i} for i in range(8)]
+    mixed = mix(expert, collected, 2.0, seed=0)
+    assert sum("e" in r for r in mixed) == 4 and sum("c" in r for r in mixed) == 8
+    mixed = mix(expert, [{"c": i} for i in range(50)], 2.0, seed=0)
+    assert sum("e" in r for r in mixed) == 10 and sum("c" in r for r in mixed) == 20
+    assert len(mix(expert, collected, 0.0, seed=0)) == 18
+
+
+def test_step_hrl_recipe_runs_end_to_end_on_textcraft(tmp_path, monkeypatch):
+    raw = _tiny("textcraft", tmp_path)
+    raw["method"] = "step_hrl"
+    raw["step_hrl"] = {"critic": {"epochs": 1, "batch_size": 4}, "policy": {"epochs": 1, "batch_size": 4, "lr": 1e-3}, "progress_tokens": 8}
+    params = parse_params(raw)
+    assert iteration_stages(params) == ("collect", "critic", "policy", "evaluate")
+    assert [s for s, _ in pipeline(params, 1)][:5] == ["experts", "base", "annotate", "bc", "evaluate"]
+    monkeypatch.chdir(tmp_path)
+    metrics = {f"{s}@{k}" if k is not None else s: run_stage(s, params, k) for s, k in pipeline(params, 1)}
+    assert metrics["annotate"]["high_transitions"] >= 6 and metrics["annotate"]["low_transitions"] == metrics["experts"]["cumulative_env_steps"]
+    assert metrics["bc"]["loss"] < metrics["bc"]["first_loss"]
+    assert metrics["collect@1"]["low_transitions"] == metrics["collect@1"]["env_steps"] and metrics["collect@1"]["high_transitions"] >= 4
+    assert metrics["critic@1"]["q_loss"] > 0 and metrics["policy@1"]["logp"] > metrics["policy@1"]["first_logp"]
+    bc = load_policy(paths.BASE, params.model, adapter=paths.BC, trainable=True)[0].state_dict()
+    updated = load_policy(paths.BASE, params.model, adapter=paths.policy(1), trainable=True)[0].state_dict()
+    assert any(not torch.equal(updated[n], bc[n]) for n in bc if "lora" in n), "the actor left the adapter unchanged"
+    for k in (0, 1):
+        m = metrics[f"evaluate@{k}"]["test"]
+        assert m["episodes"] == 2 and m["high_tokens_per_episode"] > 0 and m["low_prompt_tokens_per_call"] > 0
+        assert m["prompt_tokens_per_episode"] == pytest.approx(sum(m[f"{r}_tokens_per_episode"] for r in ("high", "low", "progress"))
+                                                                - m["output_tokens_per_episode"])
+
+    # An unreachable annotator is an error naming the key; the annotations already written stay as they were.
+    before = {f.name: f.read_bytes() for f in (tmp_path / "data" / "annotate").iterdir()}
+    unreachable = parse_params({**raw, "step_hrl": {**raw["step_hrl"], "annotator": "llm", "llm_url": "http://127.0.0.1:9/v1"}})
+    with pytest.raises(AnnotatorError, match=r"step_hrl.llm_url = 'http://127.0.0.1:9/v1'"):
+        run_stage("annotate", unreachable, None)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "data" / "annotate").iterdir()} == before
+    # A policy without its roles file names the file and the stage that wrote it.
+    (tmp_path / paths.BC / "roles.json").unlink()
+    with pytest.raises(Exception, match=r"models/bc/roles.json: cannot read the roles the policy was trained with .* stage `bc`"):
+        run_stage("evaluate", params, 0)
