@@ -35,11 +35,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from qevolve.config import ConfigError, parse_params
 from qevolve.data.atomic import atomic_path, write_json
+from qevolve.recipe import methods
 
 ROOT = Path(__file__).resolve().parent.parent
-SEED_KEYS = {"bc.seed": 1, "collect.seed": 100, "critic.seed": 1, "policy.seed": 1, "online.seed": 100}
+SEED_KEYS = {"bc.seed": 1, "collect.seed": 100, "critic.seed": 1, "policy.seed": 1, "online.seed": 100,
+             "step_hrl.critic.seed": 1, "step_hrl.policy.seed": 1}
 """What a seed changes: each key gets `base value + seed * step` (collect and online seeds step by 100, since
-iteration k already adds k to them)."""
+iteration k already adds k to them). A key in a section named after a method (`step_hrl`) is set only in
+that method's workspaces."""
 SPLITS = ("valid_seen", "valid_unseen")
 
 
@@ -117,6 +120,12 @@ def first_seeds(spec: Spec, n: int) -> Spec:
     return spec.model_copy(update={"seeds": spec.seeds[:n], "workspaces": workspaces})
 
 
+def get_dotted(params: dict, key: str):
+    for part in key.split("."):
+        params = params[part]
+    return params
+
+
 def set_dotted(params: dict, key: str, value) -> None:
     *path, last = key.split(".")
     node = params
@@ -137,8 +146,10 @@ def workspace_params(spec: Spec, name: str, seed: int, env_steps: int | None) ->
     params.setdefault("evolve", {})["iterations"] = ws.iterations
     defaults = parse_params(params, f"{spec.name}/{name}").model_dump()
     for key, step in SEED_KEYS.items():
-        section, field = key.split(".")
-        set_dotted(params, key, defaults[section][field] + seed * step)
+        section, *_ = key.split(".")
+        if section in methods() and section != defaults["method"]:
+            continue
+        set_dotted(params, key, get_dotted(defaults, key) + seed * step)
     if env_steps is not None:
         set_dotted(params, "online.env_steps", env_steps)
     parse_params(params, f"{spec.name}/{name}-s{seed}")
@@ -193,6 +204,8 @@ def gather(spec: Spec, out: Path) -> list[dict]:
             seeds.append({
                 "seed": seed, "workspace": str(root.relative_to(out)),
                 **{f"{split}/{key}": m[split][key] for split in SPLITS if split in m for key in ("success_rate", "avg_reward", "episodes")},
+                **{f"{split}/tokens_per_episode": m[split]["prompt_tokens_per_episode"] + m[split]["output_tokens_per_episode"]
+                   for split in SPLITS if split in m},
                 "expert_env_steps": experts,
                 "own_env_steps": first["cumulative_env_steps"] - experts,
                 "generated_tokens": first.get("cumulative_generated_tokens", 0),
@@ -211,14 +224,15 @@ def fmt(values: list[float], percent: bool = False, digits: int = 3) -> str:
 
 
 def markdown(results: list[dict]) -> str:
-    head = "| # | row | seeds | seen success % | seen reward | unseen success % | unseen reward | own env steps | generated tokens |"
-    lines = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    head = ("| # | row | seeds | seen success % | seen reward | unseen success % | unseen reward | own env steps | generated tokens | "
+            "tokens per seen episode |")
+    lines = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for i, r in enumerate(results, 1):
         col = lambda key: [s[key] for s in r["seeds"] if key in s]  # noqa: E731
         lines.append(
             f"| {i} | {r['row']} | {len(r['seeds'])} | {fmt(col('valid_seen/success_rate'), True)} | {fmt(col('valid_seen/avg_reward'))} | "
             f"{fmt(col('valid_unseen/success_rate'), True)} | {fmt(col('valid_unseen/avg_reward'))} | {fmt(col('own_env_steps'), digits=0)} | "
-            f"{fmt(col('generated_tokens'), digits=0)} |"
+            f"{fmt(col('generated_tokens'), digits=0)} | {fmt(col('valid_seen/tokens_per_episode'), digits=0)} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -161,7 +161,7 @@ def _histogram_figure(rows: list[dict], title: str):
 
 
 def log_iteration_views(k: int) -> None:
-    if paths.advantages(k).exists():  # Q-Evolve's iterations; the GRPO baseline has no critic
+    if paths.hybrid(k).exists():  # Q-Evolve's iterations (relabelled data and GAE advantages)
         mlflow.log_text(render_credit(k), f"trajectories/credit@{k}.md")
 
 
@@ -221,7 +221,7 @@ def log_stage(result: dict) -> None:
         _curve_metrics(stage, name, ("loss", "v_loss", "q_loss"))
         mlflow.log_artifacts(str(paths.critic(step)), "critic_adapter")
     elif stage == "policy":
-        _curve_metrics(stage, name, ("loss", "pg_loss", "kl", "clip_fraction", "ratio"))
+        _curve_metrics(stage, name, ("loss", "pg_loss", "kl", "clip_fraction", "ratio", "logp"))
         mlflow.log_artifacts(str(paths.policy(step)), "policy_adapter")
     elif stage == "advantage":
         import matplotlib.pyplot as plt

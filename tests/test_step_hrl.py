@@ -220,3 +220,33 @@ def test_step_hrl_recipe_runs_end_to_end_on_textcraft(tmp_path, monkeypatch):
     (tmp_path / paths.BC / "roles.json").unlink()
     with pytest.raises(Exception, match=r"models/bc/roles.json: cannot read the roles the policy was trained with .* stage `bc`"):
         run_stage("evaluate", params, 0)
+
+
+def test_a_killed_step_hrl_critic_resumes_from_its_checkpoint_to_the_same_critic(tmp_path, monkeypatch):
+    import qevolve.methods.step_hrl.critic as critic_module
+
+    raw = _tiny("textcraft", tmp_path)
+    raw.update(method="step_hrl", step_hrl={"critic": {"epochs": 2, "batch_size": 4, "checkpoint_every": 1}, "progress_tokens": 4})
+    params = parse_params(raw)
+    monkeypatch.chdir(tmp_path)
+    for stage, k in pipeline(params, 1)[:6]:  # up to collect@1
+        run_stage(stage, params, k)
+    run_stage("critic", params, 1)
+    heads = (tmp_path / paths.critic(1) / "heads.safetensors").read_bytes()
+    advantages = (tmp_path / paths.advantages(1) / "advantages.parquet").read_bytes()
+    real, calls = critic_module.critic_step, []
+
+    def dies_at_step_three(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(critic_module, "critic_step", dies_at_step_three)
+    with pytest.raises(KeyboardInterrupt):
+        run_stage("critic", params, 1)
+    assert (tmp_path / "models" / ".critic@1.checkpoint").exists()
+    monkeypatch.setattr(critic_module, "critic_step", real)
+    run_stage("critic", params, 1)
+    assert (tmp_path / paths.critic(1) / "heads.safetensors").read_bytes() == heads
+    assert (tmp_path / paths.advantages(1) / "advantages.parquet").read_bytes() == advantages

@@ -39,8 +39,12 @@ def summary_table(iterations: list[int]) -> str:
         path = paths.metrics(f"critic@{k}")
         if k and path.exists():
             c = json.loads(path.read_text())
-            rows.append(f"critic@{k}: mean V on won episodes {c['v_mean_won']:.3f}, on lost {c['v_mean_lost']:.3f} "
-                        f"(separation {c['v_mean_won'] - c['v_mean_lost']:+.3f}; V's std {c['v_std']:.3f})")
+            if "v_mean_won" in c:
+                rows.append(f"critic@{k}: mean V on won episodes {c['v_mean_won']:.3f}, on lost {c['v_mean_lost']:.3f} "
+                            f"(separation {c['v_mean_won'] - c['v_mean_lost']:+.3f}; V's std {c['v_std']:.3f})")
+            else:  # one critic per level (STEP-HRL)
+                rows.append(f"critic@{k}: " + ", ".join(f"{level} mean V {c[f'{level}_v_mean']:.3f}, A {c[f'{level}_advantage_mean']:+.3f}"
+                                                        for level in ("high", "low", "progress") if f"{level}_v_mean" in c))
     return "\n".join(rows)
 
 

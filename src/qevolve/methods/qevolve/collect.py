@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -15,7 +14,7 @@ from qevolve.envs.base import check_env_failures, env_failures
 from qevolve.models.device import placement
 from qevolve.models.policy import Actor, load_policy
 from qevolve.models.prompt import make_builder
-from qevolve.rollout import play_in
+from qevolve.rollout import collection_metrics, play_in
 
 
 def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics_path: Path, iteration: int, previous_metrics: Path) -> dict:
@@ -35,25 +34,10 @@ def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics
     failures = env_failures(trajs)
     trajs, _ = check_env_failures(trajs, params.env.max_failure_ratio, f"collect@{iteration}")
     write_store(out, trajs)
-    env_steps = sum(len(t.steps) for t in trajs)
-    before = json.loads(Path(previous_metrics).read_text())
-    tokens = sum(s.prompt_tokens + s.output_tokens for t in trajs for s in t.steps)
-    generated = sum(s.output_tokens for t in trajs for s in t.steps)
     metrics = {
         **placement(model),
         "truncated_observations": len(actor.builder.truncated),
-        "env_failures": sum(failures.values()),
-        "env_failure_reasons": failures,
-        "episodes": len(trajs),
-        "tasks": len(tasks),
-        "success_rate": sum(t.won for t in trajs) / max(len(trajs), 1),
-        "env_steps": env_steps,
-        "cumulative_env_steps": before["cumulative_env_steps"] + env_steps,
-        "tokens": tokens,
-        "cumulative_tokens": before.get("cumulative_tokens", 0) + tokens,
-        "generated_tokens": generated,
-        "cumulative_generated_tokens": before.get("cumulative_generated_tokens", 0) + generated,
-        "invalid_rate": sum(not s.valid for t in trajs for s in t.steps) / max(env_steps, 1),
+        **collection_metrics(trajs, len(tasks), failures, previous_metrics),
     }
     write_json(metrics_path, metrics)
     return metrics

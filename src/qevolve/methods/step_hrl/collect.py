@@ -3,7 +3,6 @@ episodes and as the three transition sets its decisions make (the same sets `ann
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -16,7 +15,8 @@ from qevolve.envs import make_env, select_tasks
 from qevolve.envs.base import check_env_failures, env_failures
 from qevolve.hierarchy.roles import ROLES, transitions
 from qevolve.methods.step_hrl.shared import COLLECTED, make_agent
-from qevolve.rollout import play_in
+from qevolve.models.device import placement
+from qevolve.rollout import collection_metrics, play_in
 
 EPISODES = "episodes"
 """The step store in a `collect@k` folder, beside its transitions (`COLLECTED`)."""
@@ -41,24 +41,11 @@ def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics
     with atomic_dir(out) as tmp:
         write_store(tmp / EPISODES, trajs)
         write_transitions(tmp / COLLECTED, sets, lambda text: len(agent.tok.encode(text, add_special_tokens=False)))
-    env_steps = sum(len(t.steps) for t in trajs)
-    before = json.loads(Path(previous_metrics).read_text())
-    tokens = sum(s.prompt_tokens + s.output_tokens for t in trajs for s in t.steps)
-    generated = sum(s.output_tokens for t in trajs for s in t.steps)
     metrics = {
-        "env_failures": sum(failures.values()),
-        "env_failure_reasons": failures,
-        "episodes": len(trajs),
-        "tasks": len(tasks),
-        "success_rate": sum(t.won for t in trajs) / max(len(trajs), 1),
+        **placement(agent.backend.model),
+        "truncated_observations": len(agent.builder.truncated),
+        **collection_metrics(trajs, len(tasks), failures, previous_metrics),
         **{f"{role}_transitions": len(rows) for role, rows in sets.items()},
-        "env_steps": env_steps,
-        "cumulative_env_steps": before["cumulative_env_steps"] + env_steps,
-        "tokens": tokens,
-        "cumulative_tokens": before.get("cumulative_tokens", 0) + tokens,
-        "generated_tokens": generated,
-        "cumulative_generated_tokens": before.get("cumulative_generated_tokens", 0) + generated,
-        "invalid_rate": sum(not s.valid for t in trajs for s in t.steps) / max(env_steps, 1),
     }
     write_json(metrics_path, metrics)
     return metrics
