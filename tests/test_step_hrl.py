@@ -250,3 +250,14 @@ def test_a_killed_step_hrl_critic_resumes_from_its_checkpoint_to_the_same_critic
     run_stage("critic", params, 1)
     assert (tmp_path / paths.critic(1) / "heads.safetensors").read_bytes() == heads
     assert (tmp_path / paths.advantages(1) / "advantages.parquet").read_bytes() == advantages
+
+
+def test_collected_low_transitions_keep_what_the_policy_wrote():
+    t = _traj(["go to desk 1", "take pen 1 from desk 1"])
+    t.steps[0].output, t.steps[1].output = "go to desk 1; False", "take pen 1 from desk 1; false"
+    t.steps.append(StepRecord(step=2, observation="o", output="I am done", action=None, next_observation="o", reward=0.0, done=False,
+                              won=False, valid=False))
+    labels = [Label(0, "get the pen", "p1", False), Label(0, "get the pen", "p2", True), Label(1, "put it", "p3", False)]
+    low = transitions(t, labels, RolePrompts("alfworld"))["low"]
+    assert [x.output_text for x in low] == ["go to desk 1; False", "take pen 1 from desk 1; false", "I am done"]
+    assert [x.reward for x in low] == [0.0, 1.0, -1.0]

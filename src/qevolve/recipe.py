@@ -1,9 +1,10 @@
 """A method as a recipe: the stages of its iterations, as data.
 
 Every method starts with its setup stages, run once (by default `experts`, `base`, `bc`), then
-`evaluate@0`, and ends each iteration k >= 1 with `evaluate@k`; its recipe lists the stages in between. From the recipe come the stage runner
-that `qevolve run` calls (`qevolve.stages.run_stage`), dvc.yaml (`qevolve.dvcfile`) and the Prefect
-flow's order of tasks (`flows.evolve`), and with them the MLflow child runs and the table's rows.
+`evaluate@0`, and ends each iteration k >= 1 with `evaluate@k`; its recipe lists the stages in between.
+From the recipe come the stage runner that `qevolve run` calls (`qevolve.stages.run_stage`), dvc.yaml
+(`qevolve.dvcfile`) and the Prefect flow's order of tasks (`flows.evolve`), and with them the MLflow
+child runs and the table's rows.
 
 A method is a package `qevolve.methods.<name>` whose `RECIPE` is its `Recipe`, picked by `method:` in
 params.yaml; nothing else registers it (docs/adding-a-method.md).
@@ -113,7 +114,6 @@ class Recipe:
         """(stage, iteration) in run order for `iterations` iterations (None for a once-only stage)."""
         each = (*self.iteration(params), self.evaluate())
         return [(s, None) for s in self.setup] + [(self.evaluate(), 0)] + [(s, k) for k in range(1, iterations + 1) for s in each]
-
 
 
 

@@ -66,6 +66,11 @@ def play(
 ) -> list[Trajectory]:
     """Roll `actor` out on every task; trajectories come back in the order of `tasks`.
 
+    Each round `actor.decide` picks the next output of every running episode, `actor.parse` reads its
+    action (None: a format error, not sent to the environment), the environments step, and
+    `actor.observed` sees the episodes that stepped (a flat `Actor` ignores it; a hierarchical agent
+    updates its progress there).
+
     An episode ends at `max_steps` or at its task's own limit (`Task.max_steps`), whichever is smaller.
     When its environment raises (for an `EnvWorker`: dies or times out), the episode is restarted from its
     first step on a fresh environment up to `retries` times, then recorded with `failure` =

@@ -78,6 +78,12 @@ class RolePrompts:
                           f"Action: {action}", f"Resulting observation: {self.clip(observation).strip()}"])
 
 
+def _low_text(output: str, action: str | None, ends: bool) -> str:
+    """What the low level wrote at a step: the policy's own output when it is one (`<action>; True|False`,
+    or a format error), else (an expert's `Action: ...`) the action with the annotated flag."""
+    return output if action is None or parse_low(output)[0] is not None else low_output(action, ends)
+
+
 @dataclass
 class Transition:
     trajectory_id: str
@@ -135,7 +141,7 @@ def transitions(traj: Trajectory, labels: list[Label], prompts: RolePrompts, rep
         else:
             next_low = end if final else low_state(t + 1)
         out["low"].append(Transition(**row, subtask_index=label.subtask_index, step=t, state_text=low_state(t),
-                                     output_text=low_output(s.action or s.output, label.ends), reward=reward, done=label.ends,
+                                     output_text=_low_text(s.output, s.action, label.ends), reward=reward, done=label.ends,
                                      next_state_text=next_low))
         if prompts.progress:
             state = prompts.progress_state(label.subtask, before[t], s.action or s.output, s.next_observation)
