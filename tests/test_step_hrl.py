@@ -188,10 +188,53 @@ def test_mix_keeps_one_expert_transition_per_two_collected():
     assert len(mix(expert, collected, 0.0, seed=0)) == 18
 
 
-def test_step_hrl_recipe_runs_end_to_end_on_textcraft(tmp_path, monkeypatch):
+def test_separate_adapters_train_each_role_on_its_own_outputs_and_round_trip(tmp_path, monkeypatch):
+    from qevolve.hierarchy.roles import ROLES
+    from qevolve.methods.step_hrl.bc import weighted_nll_step
+    from qevolve.models.policy import use_adapter
+
+    raw = _tiny("textcraft", tmp_path)
+    raw.update(method="step_hrl", step_hrl={"adapters": "separate"})
+    params = parse_params(raw)
+    with pytest.raises(ConfigError, match=r"step_hrl.adapters: `separate` .* train.shard"):
+        parse_params({**raw, "train": {"shard": True}})
+    monkeypatch.chdir(tmp_path)
+    for stage in ("experts", "base"):  # the embedded base's vocabulary is built from the experts' text
+        run_stage(stage, params, None)
+    one = sum(p.numel() for p in load_policy(paths.BASE, params.model)[0].parameters() if p.requires_grad)
+    model, _ = load_policy(paths.BASE, params.model, names=ROLES)
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 3 * one
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    ids = list(range(5, 25))
+    item = ("high", ids, [0] * 15 + [1] * 5, 1.0)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(3):
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(weighted_nll_step(model, [[item]], 0, separate=True)["loss"])
+        optimizer.step()
+    assert losses[-1] < losses[0]
+    changed = {n.split(".")[-2] for n, t in model.state_dict().items() if not torch.equal(t, before[n])}
+    assert changed == {"high"}, "only the role whose outputs were trained may change"
+    assert all(p.requires_grad for n, p in model.named_parameters() if ".low." in n), "switching adapters froze the others"
+    x = torch.tensor([ids])
+    logits = {}
+    for role in ("high", "low"):
+        use_adapter(model, role)
+        logits[role] = model(input_ids=x).logits
+    assert not torch.allclose(logits["high"], logits["low"])
+    model.save_pretrained(tmp_path / "roles")
+    loaded, _ = load_policy(paths.BASE, params.model, adapter=tmp_path / "roles", names=ROLES)
+    use_adapter(loaded, "high")
+    assert torch.allclose(loaded(input_ids=x).logits, logits["high"], atol=1e-5)
+
+
+@pytest.mark.parametrize("adapters", ["shared", "separate"])
+def test_step_hrl_recipe_runs_end_to_end_on_textcraft(tmp_path, monkeypatch, adapters):
     raw = _tiny("textcraft", tmp_path)
     raw["method"] = "step_hrl"
-    raw["step_hrl"] = {"critic": {"epochs": 1, "batch_size": 4}, "policy": {"epochs": 1, "batch_size": 4, "lr": 1e-3}, "progress_tokens": 8}
+    raw["step_hrl"] = {"critic": {"epochs": 1, "batch_size": 4}, "policy": {"epochs": 1, "batch_size": 4, "lr": 1e-3}, "progress_tokens": 8,
+                       "adapters": adapters}
     params = parse_params(raw)
     assert iteration_stages(params) == ("collect", "critic", "policy", "evaluate")
     assert [s for s, _ in pipeline(params, 1)][:5] == ["experts", "base", "annotate", "bc", "evaluate"]
@@ -201,9 +244,12 @@ def test_step_hrl_recipe_runs_end_to_end_on_textcraft(tmp_path, monkeypatch):
     assert metrics["bc"]["loss"] < metrics["bc"]["first_loss"]
     assert metrics["collect@1"]["low_transitions"] == metrics["collect@1"]["env_steps"] and metrics["collect@1"]["high_transitions"] >= 4
     assert metrics["critic@1"]["q_loss"] > 0 and metrics["policy@1"]["logp"] > metrics["policy@1"]["first_logp"]
-    bc = load_policy(paths.BASE, params.model, adapter=paths.BC, trainable=True)[0].state_dict()
-    updated = load_policy(paths.BASE, params.model, adapter=paths.policy(1), trainable=True)[0].state_dict()
-    assert any(not torch.equal(updated[n], bc[n]) for n in bc if "lora" in n), "the actor left the adapter unchanged"
+    names = ("high", "low", "progress") if adapters == "separate" else ()
+    assert all((tmp_path / paths.BC / name / "adapter_model.safetensors").exists() for name in names)
+    bc = load_policy(paths.BASE, params.model, adapter=paths.BC, trainable=True, names=names)[0].state_dict()
+    updated = load_policy(paths.BASE, params.model, adapter=paths.policy(1), trainable=True, names=names)[0].state_dict()
+    for name in names or ("default",):
+        assert any(not torch.equal(updated[n], bc[n]) for n in bc if f"lora_B.{name}." in n), f"the actor left the {name} adapter unchanged"
     for k in (0, 1):
         m = metrics[f"evaluate@{k}"]["test"]
         assert m["episodes"] == 2 and m["high_tokens_per_episode"] > 0 and m["low_prompt_tokens_per_call"] > 0
@@ -216,6 +262,12 @@ def test_step_hrl_recipe_runs_end_to_end_on_textcraft(tmp_path, monkeypatch):
     with pytest.raises(AnnotatorError, match=r"step_hrl.llm_url = 'http://127.0.0.1:9/v1'"):
         run_stage("annotate", unreachable, None)
     assert {f.name: f.read_bytes() for f in (tmp_path / "data" / "annotate").iterdir()} == before
+    if adapters == "separate":  # a role's adapter missing: the error names its folder and the stage that wrote it
+        import shutil
+
+        shutil.rmtree(tmp_path / paths.BC / "progress")
+        with pytest.raises(Exception, match=r"models/bc/progress: cannot load the LoRA adapter .* stage `bc`"):
+            run_stage("evaluate", params, 0)
     # A policy without its roles file names the file and the stage that wrote it.
     (tmp_path / paths.BC / "roles.json").unlink()
     with pytest.raises(Exception, match=r"models/bc/roles.json: cannot read the roles the policy was trained with .* stage `bc`"):

@@ -11,6 +11,8 @@ each role read and wrote per episode in `role_tokens[trajectory_id]`.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from qevolve.hierarchy.annotators import NONE, Label
@@ -21,18 +23,20 @@ from qevolve.models.prompt import PromptBuilder
 
 
 class HierarchicalAgent:
-    """`models[role]` acts for each role (one merged model for all three with a shared adapter).
+    """`models[role]` acts for each role (one merged model for all three with a shared adapter; one model
+    with an adapter per role and `activate(role)` to switch to a role's, with separate ones).
 
     `mode` is the low role's (`admissible`: every valid action is scored twice, ending the subtask or
     not; `free`: generated). The high role chooses among `subtasks` when `high_mode` is `admissible`, else
     writes one; the progress role always writes. `max_subtask_steps` ends a subtask the low role does not."""
 
     def __init__(self, models: dict, tokenizer, builder: PromptBuilder, prompts: RolePrompts, *, mode: str, high_mode: str,
-                 subtasks: list[str], temperature: float, max_new_tokens: int, progress_tokens: int, max_subtask_steps: int):
+                 subtasks: list[str], temperature: float, max_new_tokens: int, progress_tokens: int, max_subtask_steps: int,
+                 activate: Callable[[str], None] | None = None):
         self.tok, self.builder, self.prompts = tokenizer, builder, prompts
         self.mode, self.high_mode, self.subtasks = mode, high_mode, subtasks
         self.temperature, self.max_new_tokens, self.progress_tokens = temperature, max_new_tokens, progress_tokens
-        self.max_subtask_steps = max_subtask_steps
+        self.max_subtask_steps, self.activate = max_subtask_steps, activate
         self.backends = {role: HFBackend(models[role].eval(), tokenizer.pad_token_id) for role in ROLES}
         self.backend = self.backends["low"]
         self._end = builder.end_ids or [tokenizer.eos_token_id]
@@ -54,15 +58,20 @@ class HierarchicalAgent:
         """A role's turn ends at the end-of-turn marker or at the end of its first line."""
         return tokens[-len(self._end):] == self._end or "\n" in self.tok.decode(tokens, skip_special_tokens=True).lstrip()
 
+    def _backend(self, role: str) -> HFBackend:
+        if self.activate is not None:
+            self.activate(role)
+        return self.backends[role]
+
     def _write(self, role: str, slots: list[int], prompts: list[list[int]], max_new_tokens: int) -> list[tuple[str, float, int]]:
-        out = self.backends[role].generate(slots, prompts, max_new_tokens=max_new_tokens, stop=self._stop, greedy=self._greedy,
+        out = self._backend(role).generate(slots, prompts, max_new_tokens=max_new_tokens, stop=self._stop, greedy=self._greedy,
                                            temperature=self.temperature, generator=self._generator)
         return [((self.tok.decode(t, skip_special_tokens=True).strip().splitlines() or [""])[0].strip(), lp, len(t)) for t, lp in out]
 
     def _choose(self, role: str, slots: list[int], prompts: list[list[int]], candidates: list[list[str]]) -> list[tuple[str, float, int]]:
         ids = [[self.builder.action_ids(c) for c in cands] for cands in candidates]
         out = []
-        for cands, cand_ids, scores in zip(candidates, ids, self.backends[role].score(slots, prompts, ids)):
+        for cands, cand_ids, scores in zip(candidates, ids, self._backend(role).score(slots, prompts, ids)):
             logp = torch.log_softmax(scores / (1.0 if self._greedy else self.temperature), dim=-1)
             k = int(logp.argmax()) if self._greedy else int(torch.multinomial(logp.exp(), 1, generator=self._generator))
             out.append((cands[k], float(logp[k]), len(cand_ids[k])))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -27,7 +28,8 @@ _ACTION_LINE = re.compile(r"^\s*action\s*:[^\n]*\S[^\n]*\n", re.IGNORECASE | re.
 """An `Action:` line with a command, ended by a newline: nothing after it is read."""
 
 
-def lora_model(model, cfg: ModelConfig):
+def lora_model(model, cfg: ModelConfig, names: Sequence[str] = ("default",)):
+    """`model` with a fresh LoRA adapter per name (the first active), all of them trainable."""
     from peft import LoraConfig, get_peft_model
 
     extra = {}
@@ -41,7 +43,11 @@ def lora_model(model, cfg: ModelConfig):
         task_type="CAUSAL_LM",
         **extra,
     )
-    return get_peft_model(model, lora)
+    peft = get_peft_model(model, lora, adapter_name=names[0])
+    for name in names[1:]:
+        peft.add_adapter(name, lora)
+    peft.set_requires_grad(list(names), True)
+    return peft
 
 
 def _embedding_module_names(model) -> list[str]:
@@ -50,24 +56,47 @@ def _embedding_module_names(model) -> list[str]:
     return sorted(names)
 
 
-def load_policy(base_dir: Path | str, cfg: ModelConfig, adapter: Path | str | None = None, trainable: bool = False):
+def load_policy(base_dir: Path | str, cfg: ModelConfig, adapter: Path | str | None = None, trainable: bool = False,
+                names: Sequence[str] = ()):
     """(model, tokenizer): a peft model with a fresh LoRA adapter, or with the one saved at `adapter`
     when `trainable`; otherwise that adapter merged into the base weights (peft's `merge_and_unload`),
     a plain transformers model for inference. Merged, a forward pass skips the LoRA matrices: the embedded
     policy takes 1.4x less time per rollout step on a CPU (benchmarks/README.md, `rollout`), and its
-    logits change by float rounding only."""
+    logits change by float rounding only.
+
+    With `names`: one adapter per name on the one base (fresh, or each from the subfolder of `adapter`
+    named after it, as peft saves several), never merged; `use_adapter` picks the one that acts."""
     from peft import PeftModel
 
     # Embeddings trained in full (the embedded base) keep float32: AdamW steps on bfloat16 weights round away.
     dtype = "float32" if cfg.dtype == "auto" and cfg.lora.train_embeddings else cfg.dtype
     model, tok = load_base(base_dir, dtype, cfg.device)
     if adapter is None:
-        return lora_model(model, cfg), tok
-    try:
-        model = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
-    except Exception as err:  # noqa: BLE001 - peft and safetensors raise many kinds for a missing or cut file
-        raise artifact(adapter, f"cannot load the LoRA adapter ({type(err).__name__}: {str(err)[:300]})") from err
+        return lora_model(model, cfg, names or ("default",)), tok
+    folders = {name: Path(adapter) / name for name in names} or {"default": Path(adapter)}
+    for name, folder in folders.items():
+        try:
+            if isinstance(model, PeftModel):
+                model.load_adapter(str(folder), adapter_name=name, is_trainable=trainable)
+            else:
+                model = PeftModel.from_pretrained(model, str(folder), adapter_name=name, is_trainable=trainable)
+        except Exception as err:  # noqa: BLE001 - peft and safetensors raise many kinds for a missing or cut file
+            raise artifact(folder, f"cannot load the LoRA adapter ({type(err).__name__}: {str(err)[:300]})") from err
+    if names:
+        use_adapter(model, names[0])
+        return model, tok
     return (model if trainable else model.merge_and_unload()), tok
+
+
+def use_adapter(model, name: str) -> None:
+    """Make the adapter `name` the one that acts; which parameters train stays as it was (peft's
+    `set_adapter` alone would freeze the other adapters)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    model.set_adapter(name)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in trainable:
+        p.requires_grad_(True)
 
 
 @dataclass

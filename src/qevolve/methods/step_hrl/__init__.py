@@ -25,7 +25,7 @@ annotate = Stage("annotate", f"{HERE}.annotate", lambda k: {"experts_dir": paths
                  lambda k: {"out": ANNOTATED}, ("env", *BUILDER_PARAMS, "model.context_tokens", "step_hrl.progress", "step_hrl.annotator",
                                                 "step_hrl.llm_url", "step_hrl.llm_model", "step_hrl.repo_compat"), once=True)
 bc = Stage("bc", f"{HERE}.bc", lambda k: {"base_dir": paths.BASE, "data_dir": ANNOTATED}, lambda k: {"out": paths.BC},
-           ("env.name", *MODEL_PARAMS, *BUILDER_PARAMS, "bc", "step_hrl.high_interval"), once=True, curve=("step", "loss"), trainer=True)
+           ("env.name", *MODEL_PARAMS, *BUILDER_PARAMS, "bc", "step_hrl.high_interval", "step_hrl.adapters"), once=True, curve=("step", "loss"), trainer=True)
 
 
 def _iteration(params) -> tuple[Stage, ...]:

@@ -1,5 +1,6 @@
 """`bc` (STEP-HRL): behaviour cloning of the three roles on the annotated expert transitions, one adapter
-for all three (the roles are told apart by their prompts). The loss of each output is its length-normalised
+for all three (the roles are told apart by their prompts), or one per role (`step_hrl.adapters: separate`,
+each trained on its own role's outputs). The loss of each output is its length-normalised
 negative log-likelihood, averaged over the batch (the public code's); the three levels share every
 optimiser step, the high level's outputs weighted 1 / `step_hrl.high_interval`."""
 
@@ -15,31 +16,33 @@ from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.transitions import read_transitions
 from qevolve.hierarchy.roles import ROLES
-from qevolve.methods.step_hrl.shared import encode, role_builder, write_roles
+from qevolve.methods.step_hrl.shared import encode, role_builder, role_groups, role_names, write_roles
 from qevolve.models.device import model_device, placement
 from qevolve.models.policy import load_policy
 from qevolve.training import (
     checkpoint_path, full_state, input_digest, is_main, is_sharded, last_epoch_mean, loading_config, local_share, pad_ids, shard, train,
 )
 
-Item = tuple[list[int], list[int], float]
-"""(ids, mask over the output's tokens, weight of the output's loss)."""
+Item = tuple[str, list[int], list[int], float]
+"""(role, ids, mask over the output's tokens, weight of the output's loss)."""
 
 
-def weighted_nll_step(model, micro: list[list[Item]], pad_id: int) -> dict:
+def weighted_nll_step(model, micro: list[list[Item]], pad_id: int, separate: bool = False) -> dict:
     """Forward and backward over micro-batches: the weighted mean over outputs of each output's mean
-    token negative log-likelihood (the weights' sum over the optimiser batch normalises)."""
-    total = sum(w for mb in micro for _, _, w in mb)
+    token negative log-likelihood (the weights' sum over the optimiser batch normalises), each output
+    through its role's adapter when they are `separate`."""
+    total = sum(w for mb in micro for *_, w in mb)
     device = model_device(model)
     loss_sum = 0.0
     for mb, scale in local_share(micro, even=is_sharded(model)):
-        ids, attn = pad_ids([x for x, _, _ in mb], pad_id, device)
-        mask, _ = pad_ids([m for _, m, _ in mb], 0, device)
-        weights = torch.tensor([w for _, _, w in mb], device=device)
-        logp = sequence_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids, mask)
-        loss = -(weights * logp).sum() / total * scale
-        loss.backward()
-        loss_sum += float(loss.detach())
+        for group in role_groups(model, mb, separate):
+            ids, attn = pad_ids([x for _, x, _, _ in group], pad_id, device)
+            mask, _ = pad_ids([m for _, _, m, _ in group], 0, device)
+            weights = torch.tensor([w for *_, w in group], device=device)
+            logp = sequence_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids, mask)
+            loss = -(weights * logp).sum() / total * scale
+            loss.backward()
+            loss_sum += float(loss.detach())
     return {"loss": loss_sum}
 
 
@@ -48,13 +51,15 @@ def bc(params: Params, base_dir: Path, data_dir: Path, out: Path, metrics_path: 
     sets = read_transitions(data_dir)
     if not sets["low"]:
         raise ValueError(f"{data_dir}: no annotated transitions to clone")
-    model, tok = load_policy(base_dir, loading_config(params.model, params.train))
+    adapters = params.step_hrl.adapters
+    model, tok = load_policy(base_dir, loading_config(params.model, params.train), names=role_names(adapters))
     model = shard(model, params.train, params.model.device)
     builder = role_builder(params, tok)
     weight = {"high": 1.0 / params.step_hrl.high_interval, "low": 1.0, "progress": 1.0}
-    items = [(*encode(builder, r["state_text"], r["output_text"]), weight[role]) for role in ROLES for r in sets[role]]
+    items = [(role, *encode(builder, r["state_text"], r["output_text"]), weight[role]) for role in ROLES for r in sets[role]]
     start = time.perf_counter()
-    curve = train(model, items, cfg, lambda it: len(it[0]), lambda micro: weighted_nll_step(model, micro, tok.pad_token_id), "bc",
+    curve = train(model, items, cfg, lambda it: len(it[1]),
+                  lambda micro: weighted_nll_step(model, micro, tok.pad_token_id, adapters == "separate"), "bc",
                   checkpoint=checkpoint_path(out), inputs=input_digest(data_dir))
     elapsed = time.perf_counter() - start
     state = full_state(model)
@@ -63,7 +68,7 @@ def bc(params: Params, base_dir: Path, data_dir: Path, out: Path, metrics_path: 
     progress = bool(sets["progress"])
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, state_dict=state)
-        write_roles(tmp, params.env.name, progress, sorted({r["output_text"] for r in sets["high"]}))
+        write_roles(tmp, params.env.name, progress, sorted({r["output_text"] for r in sets["high"]}), adapters)
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),
         "first_loss": curve[0]["loss"],
@@ -71,7 +76,8 @@ def bc(params: Params, base_dir: Path, data_dir: Path, out: Path, metrics_path: 
         **{f"{role}_examples": len(sets[role]) for role in ROLES},
         "progress": progress,
         "steps": len(curve),
-        "tokens_per_s": cfg.epochs * sum(len(ids) for ids, _, _ in items) / elapsed,
+        "adapters": adapters,
+        "tokens_per_s": cfg.epochs * sum(len(ids) for _, ids, _, _ in items) / elapsed,
         "train_seconds": elapsed,
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         **placement(model),

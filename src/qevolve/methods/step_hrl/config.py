@@ -46,6 +46,10 @@ class StepHRLConfig(Section):
     progress: bool = True
     """Keep local progress: the low level reads it and the progress role writes it after each step. False
     is the paper's "w/o LP" ablation (its worst): the low level sees the subtask and observation only."""
+    adapters: Literal["shared", "separate"] = "shared"
+    """`shared`: one LoRA adapter acts for the three roles, told apart by their prompts (the paper's and
+    the public code's). `separate`: one adapter per role on the same base, each trained on its own role's
+    outputs only; acting switches between them unmerged (docs/step-hrl.md)."""
     annotator: Literal["rule", "llm"] = "rule"
     """Who cuts the expert trajectories into subtasks and writes each step's progress: this environment's
     rules (`qevolve.hierarchy.annotators`, deterministic) or a chat model at `llm_url` (as the paper did)."""
@@ -81,4 +85,10 @@ class StepHRLConfig(Section):
 
 
 SECTIONS = {"step_hrl": StepHRLConfig}
+
+
+def check(params) -> None:
+    if params.method == "step_hrl" and params.step_hrl.adapters == "separate" and params.train.shard:
+        raise ValueError("step_hrl.adapters: `separate` runs each role's outputs through its own adapter, a different number of "
+                         "passes per process, which sharded training (train.shard) cannot do; use `shared` or train.shard: false")
 

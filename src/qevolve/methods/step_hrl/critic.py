@@ -5,7 +5,8 @@ Per level: Q(s, a) by TD regression toward r + gamma (1 - done) V(s'), V(s) by e
 the target Q (a Polyak copy of the Q head). V(s) is read at the last token of the state's prompt, Q(s, a)
 at the last token of the output, V(s') at the last token of the next state's prompt, from one forward pass
 over the batch's (s + a) and s' sequences. The backbone is the critic's own LoRA adapter (started from the
-BC policy's), or with `step_hrl.repo_compat` the policy's frozen features, as in the public code.
+BC policy's; from its low role's with separate adapters), or with `step_hrl.repo_compat` the policy's
+frozen features, as in the public code.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from qevolve.algos.rl import iql_losses
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.hierarchy.roles import ROLES
-from qevolve.methods.step_hrl.shared import ADVANTAGE_SCHEMA, ADVANTAGES, encode, role_builder, training_sets
+from qevolve.methods.step_hrl.shared import ADVANTAGE_SCHEMA, ADVANTAGES, encode, read_roles, role_builder, training_sets
 from qevolve.models.base import causal_lm
 from qevolve.models.device import model_device, placement
 from qevolve.models.policy import load_policy
@@ -123,6 +124,8 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, col
     cfg, compat = params.step_hrl.critic, params.step_hrl.repo_compat
     torch.manual_seed(cfg.seed)
     sets = training_sets(params, data_dir, collected_dir)
+    if read_roles(policy_dir)["adapters"] == "separate":
+        policy_dir = policy_dir / "low"
     if compat:  # heads on the BC policy's frozen features
         lm, tok = load_policy(base_dir, params.model, adapter=policy_dir)
     elif cfg.init_from_policy:

@@ -1,7 +1,8 @@
 """`policy@k` (STEP-HRL): the advantage-weighted actor. Every output of every level (expert and collected,
 mixed as for `critic@k`) is weighted by min(exp(A / beta), max_weight), A from `critic@k`, and the loss is
 the mean over outputs of -weight * (the output's length-normalised log-likelihood): the paper's AWR. With
-`step_hrl.repo_compat` the loss is -mean(A * log-likelihood), the public code's effective update."""
+`step_hrl.repo_compat` the loss is -mean(A * log-likelihood), the public code's effective update. With
+separate adapters (`step_hrl.adapters`), each role's outputs train its own."""
 
 from __future__ import annotations
 
@@ -17,28 +18,28 @@ from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.errors import artifact
 from qevolve.hierarchy.roles import ROLES
-from qevolve.methods.step_hrl.shared import ROLES_FILE, encode, read_advantages, role_builder, training_sets
+from qevolve.methods.step_hrl.shared import ROLES_FILE, encode, load_roles_policy, read_advantages, role_builder, role_groups, training_sets
 from qevolve.models.device import model_device, placement
-from qevolve.models.policy import load_policy
 from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train
 
-Item = tuple[list[int], list[int], float]
-"""(ids, mask over the output, advantage)."""
+Item = tuple[str, list[int], list[int], float]
+"""(role, ids, mask over the output, advantage)."""
 
 
-def actor_step(model, micro: list[list[Item]], beta: float, max_weight: float, repo_compat: bool, pad_id: int) -> dict:
+def actor_step(model, micro: list[list[Item]], beta: float, max_weight: float, repo_compat: bool, pad_id: int, separate: bool = False) -> dict:
     total = sum(len(mb) for mb in micro)
     device = model_device(model)
     sums = {"loss": 0.0, "logp": 0.0}
     for mb in micro:
-        ids, attn = pad_ids([x for x, _, _ in mb], pad_id, device)
-        mask, _ = pad_ids([m for _, m, _ in mb], 0, device)
-        adv = torch.tensor([a for _, _, a in mb], device=device)
-        logp = sequence_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids, mask)
-        loss = (advantage_pg_loss(logp, adv) if repo_compat else awr_loss(logp, adv, beta, max_weight)) * len(mb) / total
-        loss.backward()
-        sums["loss"] += loss.item()
-        sums["logp"] += logp.detach().sum().item() / total
+        for group in role_groups(model, mb, separate):
+            ids, attn = pad_ids([x for _, x, _, _ in group], pad_id, device)
+            mask, _ = pad_ids([m for _, _, m, _ in group], 0, device)
+            adv = torch.tensor([a for *_, a in group], device=device)
+            logp = sequence_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids, mask)
+            loss = (advantage_pg_loss(logp, adv) if repo_compat else awr_loss(logp, adv, beta, max_weight)) * len(group) / total
+            loss.backward()
+            sums["loss"] += loss.item()
+            sums["logp"] += logp.detach().sum().item() / total
     return sums
 
 
@@ -47,7 +48,7 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
     cfg, hrl = params.step_hrl.policy, params.step_hrl
     sets = training_sets(params, data_dir, collected_dir)
     advantages = read_advantages(advantage_dir)
-    model, tok = load_policy(base_dir, params.model, adapter=previous_dir, trainable=True)
+    model, tok, separate = load_roles_policy(params, base_dir, previous_dir, trainable=True)
     builder = role_builder(params, tok)
     items = []
     for role in ROLES:
@@ -55,11 +56,11 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
             key = (r["trajectory_id"], role, r["step"])
             if key not in advantages:
                 raise artifact(Path(advantage_dir), f"no advantage for {role} transition {key[0]} step {key[2]}: it was written for other data")
-            items.append((*encode(builder, r["state_text"], r["output_text"]), advantages[key]))
-    weights = torch.exp(torch.tensor([a for _, _, a in items]) / cfg.beta).clamp(max=cfg.max_weight)
+            items.append((role, *encode(builder, r["state_text"], r["output_text"]), advantages[key]))
+    weights = torch.exp(torch.tensor([a for *_, a in items]) / cfg.beta).clamp(max=cfg.max_weight)
     start = time.perf_counter()
-    curve = train(model, items, cfg, lambda it: len(it[0]),
-                  lambda micro: actor_step(model, micro, cfg.beta, cfg.max_weight, hrl.repo_compat, tok.pad_token_id), "policy",
+    curve = train(model, items, cfg, lambda it: len(it[1]),
+                  lambda micro: actor_step(model, micro, cfg.beta, cfg.max_weight, hrl.repo_compat, tok.pad_token_id, separate), "policy",
                   checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, data_dir, collected_dir, advantage_dir))
     elapsed = time.perf_counter() - start
     with atomic_dir(out) as tmp:

@@ -13,7 +13,7 @@ from qevolve.data.transitions import read_transitions
 from qevolve.errors import artifact
 from qevolve.hierarchy.agent import HierarchicalAgent
 from qevolve.hierarchy.roles import ROLES, RolePrompts
-from qevolve.models.policy import load_policy
+from qevolve.models.policy import load_policy, use_adapter
 from qevolve.models.prompt import PromptBuilder
 
 COLLECTED = "transitions"
@@ -23,8 +23,8 @@ ADVANTAGES = "advantages.parquet"
 ADVANTAGE_SCHEMA = pa.schema([("trajectory_id", pa.string()), ("level", pa.string()), ("step", pa.int32()), ("advantage", pa.float64()),
                               ("v", pa.float64()), ("q", pa.float64())], metadata={b"qevolve.schema_version": b"1"})
 ROLES_FILE = "roles.json"
-"""Saved beside a policy's adapter: the environment, whether it keeps progress, and the subtasks its high
-level chooses among, so acting uses what training used."""
+"""Saved beside a policy's adapter: the environment, whether it keeps progress, the subtasks its high
+level chooses among and whether its roles share one adapter, so acting uses what training used."""
 
 
 def role_builder(params, tokenizer) -> PromptBuilder:
@@ -39,8 +39,9 @@ def encode(builder: PromptBuilder, state_text: str, output_text: str) -> tuple[l
     return prompt + output, [0] * len(prompt) + [1] * len(output)
 
 
-def write_roles(folder: Path, env: str, progress: bool, subtasks: list[str]) -> None:
-    (folder / ROLES_FILE).write_text(json.dumps({"env": env, "progress": progress, "subtasks": subtasks}, indent=1) + "\n")
+def write_roles(folder: Path, env: str, progress: bool, subtasks: list[str], adapters: str) -> None:
+    roles = {"env": env, "progress": progress, "subtasks": subtasks, "adapters": adapters}
+    (folder / ROLES_FILE).write_text(json.dumps(roles, indent=1) + "\n")
 
 
 def read_roles(policy_dir: Path) -> dict:
@@ -48,22 +49,51 @@ def read_roles(policy_dir: Path) -> dict:
     try:
         roles = json.loads(path.read_text())
         _ = roles["env"], roles["progress"], list(roles["subtasks"])
+        if roles["adapters"] not in ("shared", "separate"):
+            raise ValueError(f"adapters is {roles['adapters']!r}, expected 'shared' or 'separate'")
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise artifact(path, f"cannot read the roles the policy was trained with ({type(err).__name__}: {err})") from None
     return roles
 
 
+def role_names(adapters: str) -> tuple[str, ...]:
+    """The adapters of a policy with `adapters` shared or separate: `load_policy`'s `names`."""
+    return ROLES if adapters == "separate" else ()
+
+
+def load_roles_policy(params, base_dir: Path, policy_dir: Path, trainable: bool = False):
+    """(model, tokenizer, separate) of the policy at `policy_dir`, with the adapters its roles file names;
+    with separate ones, `use_adapter(model, role)` picks a role's."""
+    adapters = read_roles(policy_dir)["adapters"]
+    model, tok = load_policy(base_dir, params.model, adapter=policy_dir, trainable=trainable, names=role_names(adapters))
+    return model, tok, adapters == "separate"
+
+
+def role_groups(model, mb: list, separate: bool):
+    """A micro-batch of (role, ...) items as the passes to run: all at once on a shared adapter; per role,
+    with its adapter made active, on separate ones."""
+    if not separate:
+        yield mb
+        return
+    for role in ROLES:
+        group = [it for it in mb if it[0] == role]
+        if group:
+            use_adapter(model, role)
+            yield group
+
+
 def make_agent(params, base_dir: Path, policy_dir: Path, temperature: float) -> HierarchicalAgent:
-    """The hierarchical agent of the policy at `policy_dir` (its adapter merged into the base, shared by
-    the three roles), acting as its roles file says."""
+    """The hierarchical agent of the policy at `policy_dir` (a shared adapter merged into the base; separate
+    ones switched between per role call), acting as its roles file says."""
     roles = read_roles(policy_dir)
     if roles["env"] != params.env.name:
         raise artifact(Path(policy_dir) / ROLES_FILE, f"the policy was trained on {roles['env']!r}, not env.name {params.env.name!r}")
-    model, tok = load_policy(base_dir, params.model, adapter=policy_dir)
+    model, tok, separate = load_roles_policy(params, base_dir, policy_dir)
     builder = role_builder(params, tok)
     cfg = params.step_hrl
     return HierarchicalAgent(
         dict.fromkeys(ROLES, model), tok, builder, RolePrompts(params.env.name, roles["progress"], builder.clip),
+        activate=(lambda role: use_adapter(model, role)) if separate else None,
         mode=params.policy.action_mode, high_mode=cfg.high_mode, subtasks=roles["subtasks"], temperature=temperature,
         max_new_tokens=params.policy.max_new_tokens, progress_tokens=cfg.progress_tokens, max_subtask_steps=cfg.max_subtask_steps,
     )
