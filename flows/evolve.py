@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from prefect import flow
 
+from flows.scaleout import load_settings, use_remote
 from flows.tracking import log_evolution_views, log_iteration_views, log_stage, log_timing, start_evolution, start_iteration
 from qevolve import dvcfile, paths
 from qevolve.cli import summary_table
@@ -93,6 +94,9 @@ def _evolve(root: str) -> dict:
     if dvcfile.write(params, Path("dvc.yaml")):
         print(f"dvc.yaml regenerated for evolve.iterations = {params.evolve.iterations}")
     check_data(params.env)
+    scaleout = load_settings(Path(root), sorted({stage for stage, _ in pipeline(params, params.evolve.iterations)}))
+    if scaleout.remote:
+        use_remote(Path(root), scaleout.remote)
     results = {}
     with start_evolution(params, run_name=f"{params.method}-{time.strftime('%Y%m%d-%H%M%S')}") as run:
         for stage, k in pipeline(params, 0):

@@ -46,20 +46,44 @@ def restore_changed_outputs(root: Path, name: str) -> bool:
         return not repo.status(targets=[name])
 
 
-def restore_from_run_cache(root: Path, name: str) -> bool:
+def restore_from_run_cache(root: Path, name: str, pull: bool = False) -> bool:
     """Check out the stage's outputs from DVC's run cache and record it in dvc.lock; False if no run
-    with the same code, params and input hashes is cached."""
+    with the same code, params and input hashes is cached. With `pull`, the default remote's run cache
+    is fetched first and the outputs are pulled from the remote."""
     from dvc.stage.cache import RunCacheNotFoundError
 
     with dvc_repo(root) as repo:
         stage = repo.stage.collect(name)[0]
         try:
             with repo.lock:
-                repo.stage_cache.restore(stage)
+                if pull:
+                    repo.stage_cache.pull(None)
+                repo.stage_cache.restore(stage, pull=pull)
         except RunCacheNotFoundError:
             return False
         repo.commit(name, force=True)
     return True
+
+
+def push_stage(root: Path, name: str) -> None:
+    """Push the stage's outputs, its run-cache entry and the objects that entry names (the metrics DVC does
+    not cache in the workspace, which `dvc push --run-cache` leaves behind) to the default remote."""
+    with dvc_repo(root) as repo:
+        repo.push(targets=[name])
+        with repo.lock:
+            runs = repo.stage_cache.push(None)
+            for objs in repo.stage_cache.get_used_objs(runs).values():
+                repo.cloud.push(objs)
+
+
+def compute_stage(root: Path, stage: str, iteration: int | None) -> dict:
+    """Run the stage here and record it in dvc.lock (and DVC's run cache)."""
+    start = time.perf_counter()
+    metrics = run_stage(stage, load_params(root / "params.yaml"), iteration)
+    compute = time.perf_counter() - start
+    with dvc_repo(root) as repo:
+        repo.commit(stage_name(stage, iteration), force=True)
+    return {"stage": stage_name(stage, iteration), "ran": True, "metrics": metrics, "compute_s": compute}
 
 
 def _run_name() -> str:
@@ -70,23 +94,38 @@ def _run_name() -> str:
 
 @task(name="stage", task_run_name=_run_name)
 def run_pipeline_stage(stage: str, iteration: int | None = None, root: str = ".") -> dict:
-    """Run one stage unless DVC says it is up to date; return its metrics and whether it ran."""
+    """Run one stage unless DVC says it is up to date; return its metrics and whether it ran. With a DVC
+    remote (`flows.scaleout`), a stage is restored from the remote's run cache when some clone computed it,
+    runs on its work pool's worker when it has one, and is pushed to the remote once done."""
+    from flows.scaleout import dispatch, load_settings
+
     root_path = Path(root).resolve()
     name = stage_name(stage, iteration)
     logger = get_run_logger()
+    scaleout = load_settings(root_path)
+    result = {"stage": name, "ran": False}
     if stage_is_current(root_path, name):
         logger.info("%s is up to date in DVC (same code, params and inputs as dvc.lock): not run", name)
-        return {"stage": name, "ran": False, "metrics": json.loads((root_path / paths.metrics(name)).read_text())}
-    if restore_changed_outputs(root_path, name):
+    elif restore_changed_outputs(root_path, name):
         logger.warning("%s: its outputs no longer matched dvc.lock (deleted or damaged); restored the recorded version "
                        "from DVC's cache: not run", name)
-        return {"stage": name, "ran": False, "metrics": json.loads((root_path / paths.metrics(name)).read_text())}
-    if restore_from_run_cache(root_path, name):
+    elif restore_from_run_cache(root_path, name):
         logger.info("%s restored from DVC's run cache (a run with the same code, params and inputs): not run", name)
-        return {"stage": name, "ran": False, "metrics": json.loads((root_path / paths.metrics(name)).read_text())}
-    start = time.perf_counter()
-    metrics = run_stage(stage, load_params(root_path / "params.yaml"), iteration)
-    compute = time.perf_counter() - start
-    with dvc_repo(root_path) as repo:
-        repo.commit(name, force=True)
-    return {"stage": name, "ran": True, "metrics": metrics, "compute_s": compute}
+    elif scaleout.remote and restore_from_run_cache(root_path, name, pull=True):
+        logger.info("%s restored from the remote's run cache (%s): not run", name, scaleout.remote.url)
+        return {**result, "metrics": json.loads((root_path / paths.metrics(name)).read_text())}
+    elif stage in scaleout.pools:
+        pool = scaleout.pools[stage]
+        dispatch(root_path, stage, iteration, pool, scaleout.remote)
+        if not restore_from_run_cache(root_path, name, pull=True):
+            raise RuntimeError(f"{name} ran on work pool {pool!r}, but the remote {scaleout.remote.url} holds no run of it with this "
+                               "workspace's code, params and inputs")
+        logger.info("%s computed on work pool %r and restored from the remote's run cache", name, pool)
+        result["pool"] = pool
+    else:
+        result = compute_stage(root_path, stage, iteration)
+    if scaleout.remote:
+        push_stage(root_path, name)
+    if "metrics" not in result:
+        result["metrics"] = json.loads((root_path / paths.metrics(name)).read_text())
+    return result

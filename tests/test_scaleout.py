@@ -1,0 +1,134 @@
+"""Scale-out on loopback: a stage run by a Prefect work pool's worker, its artifacts handed over through a DVC
+remote on S3 (moto's server), and a second clone restoring every stage from the remote's run cache. Each
+test starts and stops its own services."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.table import prepare
+from tests.test_env_pipelines import _tiny
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer in {timeout} s: {log.read_text()[-3000:]}")
+
+
+class Services:
+    """Processes started for a test, each logging to a file, all stopped at its end."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.procs = tmp, []
+
+    def start(self, name: str, args: list[str], env: dict, url: str | None = None) -> subprocess.Popen:
+        log = self.tmp / f"{name}.log"
+        proc = subprocess.Popen(args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=self.tmp, start_new_session=True)
+        self.procs.append(proc)
+        if url:
+            _wait(url, proc, log)
+        return proc
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, 15)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, 9)
+
+
+@pytest.fixture
+def services(tmp_path):
+    s = Services(tmp_path)
+    yield s
+    s.stop()
+
+
+def _workspace(root: Path, tmp_path: Path, settings: dict) -> Path:
+    raw = _tiny("textcraft", tmp_path)
+    raw["evolve"] = {"iterations": 0}
+    prepare(root, raw)
+    (root / "scaleout.yaml").write_text(yaml.safe_dump(settings))
+    return root
+
+
+def _evolve(root: Path, env: dict) -> str:
+    out = subprocess.run([sys.executable, "-m", "flows.evolve", "--root", str(root)], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    return out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_from_the_remote(tmp_path, services):
+    env = {**os.environ, **S3_ENV, "PYTHONPATH": str(REPO), "PATH": f"{BIN}:{os.environ['PATH']}", "PREFECT_HOME": str(tmp_path / "prefect"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_TO_API_ENABLED": "true"}
+    s3 = f"http://127.0.0.1:{_port()}"
+    services.start("moto", [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", s3.rsplit(":", 1)[1]], env, url=s3)
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3, **{k.lower(): v for k, v in S3_ENV.items() if k != "AWS_DEFAULT_REGION"},
+                 region_name="us-east-1").create_bucket(Bucket="qevolve")
+    api = f"http://127.0.0.1:{_port()}/api"
+    env["PREFECT_API_URL"] = api
+    services.start("prefect", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", api.split(":")[2].split("/")[0]],
+                   env, url=f"{api}/health")
+    subprocess.run([sys.executable, "-m", "flows.scaleout", "deploy", "gpu"], cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
+    services.start("worker", [str(BIN / "prefect"), "worker", "start", "--pool", "gpu"], {**env, "QEVOLVE_WORKER_DIR": str(tmp_path / "worker")})
+
+    remote = {"url": "s3://qevolve/dvc", "endpointurl": s3}
+    a = _workspace(tmp_path / "a", tmp_path, {"remote": remote, "pools": {"bc": "gpu"}})
+    _evolve(a, env)
+    # bc ran on the worker, in its own workspace; the orchestrator restored it and wrote dvc.lock alone.
+    [worker_ws] = (tmp_path / "worker").iterdir()
+    assert (worker_ws / "models" / "bc" / "adapter_model.safetensors").exists() and not (worker_ws / "metrics" / "evaluate@0.json").exists()
+    assert (a / "models" / "bc" / "adapter_model.safetensors").read_bytes() == (worker_ws / "models" / "bc" / "adapter_model.safetensors").read_bytes()
+    status = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=a, capture_output=True, text=True, check=True).stdout
+    assert "up to date" in status, status
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("qevolve-stage/gpu")
+        runs = [r for r in client.read_flow_runs() if r.deployment_id == deployment.id]
+    assert [(r.name, r.state.type.value) for r in runs] == [("bc", "COMPLETED")]
+    assert runs[0].parent_task_run_id is not None  # a sub-flow of the evolution, in the Prefect UI
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{a / 'mlflow.db'}")
+    assert any(r.data.metrics.get("bc/loss") for r in mlflow.search_runs(experiment_names=["qevolve"], output_format="list"))
+
+    # A second clone, with its own DVC cache and no pool: every stage comes from the remote, none runs.
+    b = _workspace(tmp_path / "b", tmp_path, {"remote": remote})
+    out = _evolve(b, {k: v for k, v in env.items() if k != "PREFECT_API_URL"})
+    assert "stages run: none (all up to date)" in out, out[-3000:]
+    lock_a, lock_b = (yaml.safe_load((ws / "dvc.lock").read_text())["stages"] for ws in (a, b))
+    assert lock_a == lock_b
+    assert json.loads((b / "metrics" / "bc.json").read_text()) == json.loads((a / "metrics" / "bc.json").read_text())
