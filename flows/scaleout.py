@@ -121,9 +121,10 @@ def carried_files(root: Path, name: str) -> dict[str, str]:
     return {f: (root / f).read_text() for f in ("params.yaml", "dvc.yaml", "dvc.lock", *uncached) if (root / f).exists()}
 
 
-def dispatch(root: Path, stage: str, iteration: int | None, pool: str, remote: Remote) -> None:
+def dispatch(root: Path, stage: str, iteration: int | None, pool: str, remote: Remote) -> str:
     """Run the stage on `pool`'s worker (a sub-flow of the calling flow) after pushing its inputs, and
-    wait for it; raises unless the run completed."""
+    wait for it; the flow run's id, or an error unless it completed. Each call is a new flow run, so a
+    rerun after a crashed worker is a new attempt."""
     from prefect.deployments import run_deployment
 
     from qevolve.stages import stage_name
@@ -140,6 +141,7 @@ def dispatch(root: Path, stage: str, iteration: int | None, pool: str, remote: R
     if not run.state.is_completed():
         raise RuntimeError(f"{name}: its run on work pool {pool!r} ended {run.state.name} (flow run {run.id}: "
                            f"{run.state.message or 'no message'}); rerun the evolution to start a new attempt")
+    return str(run.id)
 
 
 def _run_name() -> str:

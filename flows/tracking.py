@@ -56,6 +56,15 @@ def evolution_identity(params: Params) -> dict:
     return identity
 
 
+def attempt_tags() -> dict[str, str]:
+    """The code's git commit and the Prefect flow run of this attempt (the latest attempt's, on a resumed run)."""
+    from prefect.runtime import flow_run
+
+    from flows.table import git_commit
+
+    return {"qevolve.git_commit": git_commit(), "qevolve.prefect_flow_run": str(flow_run.id or "")}
+
+
 def start_evolution(params: Params, run_name: str):
     """The evolution's parent run: the same one again when this workspace last ran these parameters,
     however many iterations (a resumed, repeated or continued run), a new one otherwise.
@@ -75,7 +84,8 @@ def start_evolution(params: Params, run_name: str):
         if old is None or old.info.lifecycle_stage != "active":
             run_id = None
     if run_id is None:
-        run = mlflow.start_run(run_name=run_name, tags={"qevolve.attempts": "1", "qevolve.iterations": str(params.evolve.iterations), "qevolve.method": params.method})
+        run = mlflow.start_run(run_name=run_name, tags={"qevolve.attempts": "1", "qevolve.iterations": str(params.evolve.iterations),
+                                                        "qevolve.method": params.method, **attempt_tags()})
         # Every parameter but the iteration count, which a continued evolution raises (a tag, updated).
         mlflow.log_params({k: str(v)[:500] for k, v in flatten(params.model_dump()).items() if k != "evolve.iterations"})
         write_json(EVOLUTION_FILE, {"run_id": run.info.run_id, "fingerprint": fingerprint})
@@ -86,7 +96,7 @@ def start_evolution(params: Params, run_name: str):
     killed = int(old.data.tags.get("qevolve.killed_attempts", "0")) + (old.info.status == "RUNNING")
     run = mlflow.start_run(run_id=run_id)
     mlflow.set_tags({"qevolve.attempts": str(int(old.data.tags.get("qevolve.attempts", "1")) + 1), "qevolve.killed_attempts": str(killed),
-                     "qevolve.iterations": str(params.evolve.iterations)})
+                     "qevolve.iterations": str(params.evolve.iterations), **attempt_tags()})
     return run
 
 
@@ -189,6 +199,21 @@ def log_evolution_views(iterations: int) -> None:
     plt.close(fig)
 
 
+def lineage_tags(result: dict) -> dict[str, str]:
+    """What joins the stage's MLflow metrics to its artifacts and where it ran: the content hash of each of its
+    outputs as dvc.lock records them (`qevolve.dvc.policy-1.models/policy-1`), and for a stage run on a work
+    pool, the pool and the Prefect flow run that computed it."""
+    import yaml
+
+    tag = result["stage"].replace("@", "-")
+    lock = yaml.safe_load(Path("dvc.lock").read_text()) if Path("dvc.lock").exists() else {}
+    entry = (lock or {}).get("stages", {}).get(result["stage"], {})
+    tags = {f"qevolve.dvc.{tag}.{out['path'].replace('@', '-')}": out["md5"] for out in entry.get("outs", []) if "md5" in out}
+    if result.get("pool"):
+        tags |= {f"qevolve.pool.{tag}": result["pool"], f"qevolve.prefect_flow_run.{tag}": result["flow_run_id"]}
+    return tags
+
+
 def log_stage(result: dict) -> None:
     """Metrics (numbers only) under the stage's name, plus its artifacts."""
     name = result["stage"]
@@ -199,6 +224,7 @@ def log_stage(result: dict) -> None:
     mlflow.log_metrics({f"{stage}/{k}".replace(".", "/"): float(v) for k, v in numbers.items()}, step=step)
     # Where it computed, as tags (`qevolve.device.policy-1`; MLflow refuses `@` in tag keys).
     mlflow.set_tags({f"qevolve.{k.rsplit('.', 1)[-1]}.{name.replace('@', '-')}": str(v) for k, v in flat.items() if k.endswith(PLACEMENT)})
+    mlflow.set_tags(lineage_tags(result))
     if stage == "experts":
         mlflow.log_text(render_trajectories(paths.EXPERTS), "trajectories/experts.md")
     elif stage == "bc":

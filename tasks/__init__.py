@@ -116,7 +116,7 @@ def run_pipeline_stage(stage: str, iteration: int | None = None, root: str = "."
         return {**result, "metrics": json.loads((root_path / paths.metrics(name)).read_text())}
     elif stage in scaleout.pools:
         pool = scaleout.pools[stage]
-        dispatch(root_path, stage, iteration, pool, scaleout.remote)
+        result["flow_run_id"] = dispatch(root_path, stage, iteration, pool, scaleout.remote)
         if not restore_from_run_cache(root_path, name, pull=True):
             raise RuntimeError(f"{name} ran on work pool {pool!r}, but the remote {scaleout.remote.url} holds no run of it with this "
                                "workspace's code, params and inputs")

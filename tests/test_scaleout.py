@@ -123,12 +123,16 @@ def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_fro
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{a / 'mlflow.db'}")
-    assert any(r.data.metrics.get("bc/loss") for r in mlflow.search_runs(experiment_names=["qevolve"], output_format="list"))
+    [parent] = mlflow.search_runs(experiment_names=["qevolve"], output_format="list")
+    lock = yaml.safe_load((a / "dvc.lock").read_text())["stages"]
+    # The MLflow run joins the Prefect flow run that computed bc, where, and the content hash DVC records.
+    assert "bc/loss" in parent.data.metrics and parent.data.tags["qevolve.git_commit"]
+    assert parent.data.tags["qevolve.pool.bc"] == "gpu" and parent.data.tags["qevolve.prefect_flow_run.bc"] == str(runs[0].id)
+    assert parent.data.tags["qevolve.dvc.bc.models/bc"] == next(o["md5"] for o in lock["bc"]["outs"] if o["path"] == "models/bc")
 
     # A second clone, with its own DVC cache and no pool: every stage comes from the remote, none runs.
     b = _workspace(tmp_path / "b", tmp_path, {"remote": remote})
     out = _evolve(b, {k: v for k, v in env.items() if k != "PREFECT_API_URL"})
     assert "stages run: none (all up to date)" in out, out[-3000:]
-    lock_a, lock_b = (yaml.safe_load((ws / "dvc.lock").read_text())["stages"] for ws in (a, b))
-    assert lock_a == lock_b
+    assert yaml.safe_load((b / "dvc.lock").read_text())["stages"] == lock
     assert json.loads((b / "metrics" / "bc.json").read_text()) == json.loads((a / "metrics" / "bc.json").read_text())
