@@ -78,8 +78,11 @@ def load_settings(root: Path, stages: list[str] | None = None) -> Scaleout:
         return Scaleout()
     try:
         settings = Scaleout.model_validate(yaml.safe_load(path.read_text()) or {})
-    except (yaml.YAMLError, ValidationError) as err:
-        raise ConfigError(f"{path}: {err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    except ValidationError as err:
+        problems = [(".".join(map(str, e["loc"])) + ": " if e["loc"] else "") + e["msg"].removeprefix("Value error, ") for e in err.errors()]
+        raise ConfigError(f"{path}: {'; '.join(problems)}") from None
     unknown = sorted(set(settings.pools) - set(stages or settings.pools))
     if unknown:
         raise ConfigError(f"{path}: pools: no stage {unknown} in this method; expected some of {sorted(stages)}")
@@ -128,10 +131,10 @@ def dispatch(root: Path, stage: str, iteration: int | None, pool: str, remote: R
     from prefect.deployments import run_deployment
 
     from qevolve.stages import stage_name
-    from tasks import dvc_repo
+    from tasks import dvc_repo, remote_errors
 
     name = stage_name(stage, iteration)
-    with dvc_repo(root) as repo:
+    with dvc_repo(root) as repo, remote_errors(remote.url, f"{name}: pushing its inputs for work pool {pool!r}"):
         repo.push(targets=stage_inputs(repo, name)[0])
     run = run_deployment(
         f"{DEPLOYMENT}/{pool}", as_subflow=True, timeout=None,
@@ -160,7 +163,7 @@ def remote_stage(stage: str, iteration: int | None, files: dict[str, str], code:
     import shutil
 
     from qevolve.stages import stage_name
-    from tasks import compute_stage, dvc_repo, push_stage, restore_from_run_cache
+    from tasks import compute_stage, dvc_repo, push_stage, remote_errors, restore_from_run_cache
 
     log = get_run_logger()
     name = stage_name(stage, iteration)
@@ -182,13 +185,13 @@ def remote_stage(stage: str, iteration: int | None, files: dict[str, str], code:
         subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=root, check=True)
     use_remote(root, Remote(**remote))
     os.chdir(root)
-    with dvc_repo(root) as repo:
+    with dvc_repo(root) as repo, remote_errors(remote["url"], f"{name}: pulling its inputs"):
         repo.pull(targets=stage_inputs(repo, name)[0])
-    if restore_from_run_cache(root, name, pull=True):
+    if restore_from_run_cache(root, name, remote["url"]):
         log.info("%s: restored from the remote's run cache (computed before with the same code, params and inputs)", name)
         return {"stage": name, "ran": False}
     result = compute_stage(root, stage, iteration)
-    push_stage(root, name)
+    push_stage(root, name, remote["url"])
     log.info("%s: computed in %.0f s on this worker and pushed", name, result["compute_s"])
     return {"stage": name, "ran": True, "compute_s": result["compute_s"]}
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import get_run_logger, task
 
 from qevolve import paths
 from qevolve.config import load_params
+from qevolve.errors import UserError
 from qevolve.stages import run_stage, stage_name
 
 
@@ -46,29 +48,54 @@ def restore_changed_outputs(root: Path, name: str) -> bool:
         return not repo.status(targets=[name])
 
 
-def restore_from_run_cache(root: Path, name: str, pull: bool = False) -> bool:
+class RemoteUnreachable(UserError):
+    """The DVC remote of scaleout.yaml failed a transfer."""
+
+    hint = ("check `remote` in scaleout.yaml (url, endpointurl) and the remote's credentials in the environment "
+            "(AWS_ACCESS_KEY_ID, ...), then rerun: what is missing there is pushed then. Without `remote` the evolution "
+            "runs on this machine alone")
+
+
+@contextmanager
+def remote_errors(remote: str, what: str):
+    """Any failure of a transfer with the remote as a `RemoteUnreachable` naming it and what was being done."""
+    from dvc.stage.cache import RunCacheNotFoundError
+
+    try:
+        yield
+    except RunCacheNotFoundError:
+        raise
+    except Exception as err:  # noqa: BLE001 - botocore, fsspec and DVC raise many kinds for an unreachable remote
+        raise RemoteUnreachable(f"{what}: the DVC remote {remote} failed ({type(err).__name__}: {str(err)[:300]}); "
+                                "nothing written in this workspace is lost") from err
+
+
+def restore_from_run_cache(root: Path, name: str, remote: str | None = None) -> bool:
     """Check out the stage's outputs from DVC's run cache and record it in dvc.lock; False if no run
-    with the same code, params and input hashes is cached. With `pull`, the default remote's run cache
-    is fetched first and the outputs are pulled from the remote."""
+    with the same code, params and input hashes is cached. With `remote` (the default remote's URL),
+    its run cache is fetched first and the outputs are pulled from it."""
     from dvc.stage.cache import RunCacheNotFoundError
 
     with dvc_repo(root) as repo:
         stage = repo.stage.collect(name)[0]
         try:
             with repo.lock:
-                if pull:
-                    repo.stage_cache.pull(None)
-                repo.stage_cache.restore(stage, pull=pull)
+                if remote:
+                    with remote_errors(remote, f"{name}: looking for it in the remote's run cache"):
+                        repo.stage_cache.pull(None)
+                        repo.stage_cache.restore(stage, pull=True)
+                else:
+                    repo.stage_cache.restore(stage)
         except RunCacheNotFoundError:
             return False
         repo.commit(name, force=True)
     return True
 
 
-def push_stage(root: Path, name: str) -> None:
+def push_stage(root: Path, name: str, remote: str) -> None:
     """Push the stage's outputs, its run-cache entry and the objects that entry names (the metrics DVC does
     not cache in the workspace, which `dvc push --run-cache` leaves behind) to the default remote."""
-    with dvc_repo(root) as repo:
+    with dvc_repo(root) as repo, remote_errors(remote, f"{name}: pushing its outputs (kept here, recorded in dvc.lock)"):
         repo.push(targets=[name])
         with repo.lock:
             runs = repo.stage_cache.push(None)
@@ -111,13 +138,13 @@ def run_pipeline_stage(stage: str, iteration: int | None = None, root: str = "."
                        "from DVC's cache: not run", name)
     elif restore_from_run_cache(root_path, name):
         logger.info("%s restored from DVC's run cache (a run with the same code, params and inputs): not run", name)
-    elif scaleout.remote and restore_from_run_cache(root_path, name, pull=True):
+    elif scaleout.remote and restore_from_run_cache(root_path, name, scaleout.remote.url):
         logger.info("%s restored from the remote's run cache (%s): not run", name, scaleout.remote.url)
         return {**result, "metrics": json.loads((root_path / paths.metrics(name)).read_text())}
     elif stage in scaleout.pools:
         pool = scaleout.pools[stage]
         result["flow_run_id"] = dispatch(root_path, stage, iteration, pool, scaleout.remote)
-        if not restore_from_run_cache(root_path, name, pull=True):
+        if not restore_from_run_cache(root_path, name, scaleout.remote.url):
             raise RuntimeError(f"{name} ran on work pool {pool!r}, but the remote {scaleout.remote.url} holds no run of it with this "
                                "workspace's code, params and inputs")
         logger.info("%s computed on work pool %r and restored from the remote's run cache", name, pool)
@@ -125,7 +152,7 @@ def run_pipeline_stage(stage: str, iteration: int | None = None, root: str = "."
     else:
         result = compute_stage(root_path, stage, iteration)
     if scaleout.remote:
-        push_stage(root_path, name)
+        push_stage(root_path, name, scaleout.remote.url)
     if "metrics" not in result:
         result["metrics"] = json.loads((root_path / paths.metrics(name)).read_text())
     return result

@@ -136,3 +136,46 @@ def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_fro
     assert "stages run: none (all up to date)" in out, out[-3000:]
     assert yaml.safe_load((b / "dvc.lock").read_text())["stages"] == lock
     assert json.loads((b / "metrics" / "bc.json").read_text()) == json.loads((a / "metrics" / "bc.json").read_text())
+
+
+def test_scaleout_settings_are_validated_naming_the_file_and_key(tmp_path, monkeypatch):
+    from flows.scaleout import load_settings
+    from qevolve.config import ConfigError
+
+    monkeypatch.delenv("QEVOLVE_SCALEOUT", raising=False)
+    assert load_settings(tmp_path).pools == {} and load_settings(tmp_path).remote is None  # no file: all here, no remote
+    cases = [({"pools": {"bc": "gpu"}}, r"pools: a stage on a work pool hands its artifacts over through a DVC remote"),
+             ({"remote": {"url": "s3://b/p", "endpoint": "x"}}, r"remote.endpoint: Extra inputs are not permitted"),
+             ({"remote": {"url": "s3://b/p"}, "pools": {"bcc": "gpu"}}, r"pools: no stage \['bcc'\] in this method; expected some of \['bc', 'evaluate'\]")]
+    for settings, message in cases:
+        (tmp_path / "scaleout.yaml").write_text(yaml.safe_dump(settings))
+        with pytest.raises(ConfigError, match=rf"{tmp_path}/scaleout.yaml: .*{message}"):
+            load_settings(tmp_path, ["bc", "evaluate"])
+    monkeypatch.setenv("QEVOLVE_SCALEOUT", str(tmp_path / "nope.yaml"))
+    with pytest.raises(ConfigError, match=r"nope.yaml: not found \(QEVOLVE_SCALEOUT names it\)"):
+        load_settings(tmp_path)
+
+
+def test_an_unreachable_remote_is_an_error_naming_it_and_nothing_computed_is_lost(tmp_path, monkeypatch):
+    from dvc.repo import Repo
+
+    from flows.scaleout import Remote, use_remote
+    from tasks import RemoteUnreachable, push_stage, restore_from_run_cache
+
+    for key, value in {**S3_ENV, "AWS_MAX_ATTEMPTS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    root = tmp_path / "ws"
+    root.mkdir()
+    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=root, check=True)
+    closed = f"http://127.0.0.1:{_port()}"
+    use_remote(root, Remote(url="s3://qevolve/dvc", endpointurl=closed))
+    (root / "in.txt").write_text("hello\n")
+    (root / "dvc.yaml").write_text("stages:\n  gen:\n    cmd: cp in.txt out.txt\n    deps: [in.txt]\n    outs: [out.txt]\n")
+    monkeypatch.chdir(root)
+    with pytest.raises(RemoteUnreachable, match=r"gen: looking for it in the remote's run cache: the DVC remote s3://qevolve/dvc failed \(.*127.0.0.1"):
+        restore_from_run_cache(root, "gen", "s3://qevolve/dvc")
+    with Repo(str(root)) as repo:
+        repo.reproduce("gen")
+    with pytest.raises(RemoteUnreachable, match=r"gen: pushing its outputs \(kept here, recorded in dvc.lock\): the DVC remote s3://qevolve/dvc failed"):
+        push_stage(root, "gen", "s3://qevolve/dvc")
+    assert (root / "out.txt").read_text() == "hello\n" and "gen" in yaml.safe_load((root / "dvc.lock").read_text())["stages"]
