@@ -4,6 +4,7 @@ test starts and stops its own services."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -105,7 +106,15 @@ def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_fro
 
     remote = {"url": "s3://qevolve/dvc", "endpointurl": s3}
     a = _workspace(tmp_path / "a", tmp_path, {"remote": remote, "pools": {"bc": "gpu"}})
-    _evolve(a, env)
+    # The orchestrator's code edited: the worker refuses to run other code, and the flow says so.
+    edited = a / "src" / "qevolve" / "paths.py"
+    original = edited.read_text()
+    edited.write_text(original + "# edited\n")
+    failed = subprocess.run([sys.executable, "-m", "flows.evolve", "--root", str(a)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert failed.returncode != 0
+    assert re.search(r"bc: its run on work pool 'gpu' ended Failed .*this worker's code .* is not the orchestrator's", failed.stdout + failed.stderr)
+    edited.write_text(original)
+    _evolve(a, env)  # a new attempt: a new flow run on the pool
     # bc ran on the worker, in its own workspace; the orchestrator restored it and wrote dvc.lock alone.
     [worker_ws] = (tmp_path / "worker").iterdir()
     assert (worker_ws / "models" / "bc" / "adapter_model.safetensors").exists() and not (worker_ws / "metrics" / "evaluate@0.json").exists()
@@ -118,8 +127,9 @@ def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_fro
     with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("qevolve-stage/gpu")
         runs = [r for r in client.read_flow_runs() if r.deployment_id == deployment.id]
-    assert [(r.name, r.state.type.value) for r in runs] == [("bc", "COMPLETED")]
-    assert runs[0].parent_task_run_id is not None  # a sub-flow of the evolution, in the Prefect UI
+    runs = sorted(runs, key=lambda r: r.start_time)
+    assert [(r.name, r.state.type.value) for r in runs] == [("bc", "FAILED"), ("bc", "COMPLETED")]
+    assert runs[1].parent_task_run_id is not None  # a sub-flow of the evolution, in the Prefect UI
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{a / 'mlflow.db'}")
@@ -127,7 +137,7 @@ def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_fro
     lock = yaml.safe_load((a / "dvc.lock").read_text())["stages"]
     # The MLflow run joins the Prefect flow run that computed bc, where, and the content hash DVC records.
     assert "bc/loss" in parent.data.metrics and parent.data.tags["qevolve.git_commit"]
-    assert parent.data.tags["qevolve.pool.bc"] == "gpu" and parent.data.tags["qevolve.prefect_flow_run.bc"] == str(runs[0].id)
+    assert parent.data.tags["qevolve.pool.bc"] == "gpu" and parent.data.tags["qevolve.prefect_flow_run.bc"] == str(runs[1].id)
     assert parent.data.tags["qevolve.dvc.bc.models/bc"] == next(o["md5"] for o in lock["bc"]["outs"] if o["path"] == "models/bc")
 
     # A second clone, with its own DVC cache and no pool: every stage comes from the remote, none runs.
