@@ -1,4 +1,5 @@
-"""Environment worker processes: a killed or hung worker costs one episode attempt, never the run."""
+"""Environment workers, as processes and as Ray actors: a killed or hung worker costs one episode attempt,
+never the run, and both serve the same trajectories."""
 
 import os
 import signal
@@ -8,7 +9,7 @@ import pytest
 from qevolve.config import EnvConfig
 from qevolve.envs import make_env
 from qevolve.envs.base import Task
-from qevolve.envs.worker import EnvWorkerError
+from qevolve.envs.worker import EnvWorker, EnvWorkerError
 from qevolve.models.prompt import PromptBuilder
 from qevolve.rollout import play
 from tests.test_reliability import ScriptedActor
@@ -16,13 +17,43 @@ from tests.test_reliability import ScriptedActor
 CFG = EnvConfig(name="textcraft", step_timeout=3, start_timeout=120)
 
 
-def _rollout(tiny_tokenizer, sabotage, *, retries, episodes=4, ratio=0.0):
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster on loopback for the module's Ray tests (about 25 s to start on 2 cores)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=2**28, _node_ip_address="127.0.0.1", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(params=["process", "ray"])
+def cfg(request):
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
+    return CFG.model_copy(update={"worker": request.param})
+
+
+def _gone(worker) -> bool:
+    """Whether the worker's process (or actor) has ended."""
+    if isinstance(worker, EnvWorker):
+        return not worker.process.is_alive()
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        ray.get(worker.actor.pid.remote(), timeout=20)
+    except RayActorError:
+        return True
+    return False
+
+
+def _rollout(cfg, tiny_tokenizer, sabotage, *, retries, episodes=4, ratio=0.0):
     """Play `episodes` TextCraft games of 4 `inventory` steps on 2 workers; on the policy's 2nd turn,
     `sabotage` the first worker's process."""
     workers = []
 
     def factory():
-        workers.append(make_env(CFG, worker=True))
+        workers.append(make_env(cfg, worker=True))
         return workers[-1]
 
     actor = ScriptedActor(PromptBuilder(tiny_tokenizer, 256), ["Action: inventory"] * 200)
@@ -31,48 +62,81 @@ def _rollout(tiny_tokenizer, sabotage, *, retries, episodes=4, ratio=0.0):
     def act_and_sabotage(*args, **kwargs):
         turns.append(1)
         if len(turns) == 2:
-            sabotage(workers[0].process.pid)
+            sabotage(workers[0].pid)
         return act(*args, **kwargs)
 
     actor.act = act_and_sabotage
     tasks = make_env(CFG).tasks("train")[:episodes]
     trajs = play(factory, tasks, actor, max_steps=4, greedy=True, source="p", batch_size=2, retries=retries,
                  parallel=True, max_failure_ratio=ratio)
-    assert all(not w.process.is_alive() for w in workers)  # every worker is gone after the rollout
+    assert all(_gone(w) for w in workers)  # every worker is gone after the rollout
     return trajs, workers
 
 
-def test_a_killed_worker_restarts_its_episode_on_a_fresh_worker(tiny_tokenizer):
-    trajs, workers = _rollout(tiny_tokenizer, lambda pid: os.kill(pid, signal.SIGKILL), retries=1)
+def test_a_killed_worker_restarts_its_episode_on_a_fresh_worker(cfg, tiny_tokenizer):
+    trajs, workers = _rollout(cfg, tiny_tokenizer, lambda pid: os.kill(pid, signal.SIGKILL), retries=1)
     assert [t.task_id for t in trajs] == [t.id for t in make_env(CFG).tasks("train")[:4]]
     assert all(t.failure == "max_steps" and len(t.steps) == 4 for t in trajs)  # the restarted episode is whole
     assert all(s.observation.startswith(("Crafting commands", "Inventory")) for t in trajs for s in t.steps)
     assert len(workers) == 3  # two, and the one that replaced the killed worker
 
 
-def test_a_hung_worker_is_killed_after_its_timeout_and_the_episode_restarted(tiny_tokenizer):
-    trajs, workers = _rollout(tiny_tokenizer, lambda pid: os.kill(pid, signal.SIGSTOP), retries=1)
+def test_a_hung_worker_is_killed_after_its_timeout_and_the_episode_restarted(cfg, tiny_tokenizer):
+    trajs, workers = _rollout(cfg, tiny_tokenizer, lambda pid: os.kill(pid, signal.SIGSTOP), retries=1)
     assert all(t.failure == "max_steps" and len(t.steps) == 4 for t in trajs)
-    assert workers[0].process.exitcode == -signal.SIGKILL
+    assert len(workers) == 3 and _gone(workers[0])
+    if cfg.worker == "process":
+        assert workers[0].process.exitcode == -signal.SIGKILL
 
 
-def test_without_retries_the_episode_is_recorded_as_failed_with_the_reason(tiny_tokenizer):
-    trajs, _ = _rollout(tiny_tokenizer, lambda pid: os.kill(pid, signal.SIGKILL), retries=0, ratio=0.5)
+def test_without_retries_the_episode_is_recorded_as_failed_with_the_reason(cfg, tiny_tokenizer):
+    trajs, _ = _rollout(cfg, tiny_tokenizer, lambda pid: os.kill(pid, signal.SIGKILL), retries=0, ratio=0.5)
     failed = [t for t in trajs if t.failure.startswith("env_error")]
-    assert len(failed) == 1 and "EnvWorkerError: environment worker" in failed[0].failure and "died during step" in failed[0].failure
+    assert len(failed) == 1 and "EnvWorkerError: environment " in failed[0].failure and "died during step" in failed[0].failure
     assert sum(t.failure == "max_steps" for t in trajs) == 3  # the others ran on
 
 
-def test_worker_errors_name_the_call_and_environment_errors_pass_through():
-    worker = make_env(CFG, worker=True)
+def test_worker_errors_name_the_call_and_environment_errors_pass_through(cfg):
+    worker = make_env(cfg, worker=True)
     try:
         with pytest.raises(RuntimeError, match="unknown TextCraft goal 'minecraft:nothing'"):
             worker.reset(Task("minecraft:nothing", "train", "depth2"))
-        assert worker.process.is_alive()  # an error inside the environment does not end the worker
-        os.kill(worker.process.pid, signal.SIGSTOP)
+        assert not _gone(worker)  # an error inside the environment does not end the worker
+        os.kill(worker.pid, signal.SIGSTOP)
         with pytest.raises(EnvWorkerError, match=r"step took longer than 3 s; killed it"):
             worker.step("inventory")
-        with pytest.raises(EnvWorkerError, match=r"is not running"):
+        with pytest.raises(EnvWorkerError, match=r"is not running|died during step"):
             worker.step("inventory")
     finally:
         worker.close()
+
+
+def test_ray_actors_serve_the_same_expert_trajectories_as_worker_processes(tmp_path, monkeypatch, ray_cluster):
+    from qevolve import paths
+    from qevolve.config import parse_params
+    from qevolve.data.store import read_store
+    from qevolve.stages import run_stage
+    from tests.test_env_pipelines import _tiny
+
+    trajectories = {}
+    for kind in ("process", "ray"):
+        raw = _tiny("textcraft", tmp_path)
+        raw["env"].update(processes=True, worker=kind)
+        (tmp_path / kind).mkdir()
+        monkeypatch.chdir(tmp_path / kind)
+        run_stage("experts", parse_params(raw), None)
+        trajectories[kind] = [(t.task_id, t.won, [(s.action, s.observation, s.reward) for s in t.steps]) for t in read_store(paths.EXPERTS)]
+    assert len(trajectories["ray"]) == 6 and trajectories["ray"] == trajectories["process"]
+
+
+def test_where_environments_run_is_not_part_of_a_stages_lineage():
+    import yaml
+
+    from qevolve import dvcfile
+    from qevolve.config import parse_params
+    from tests.test_pipeline import REPO
+
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    moved = {**raw, "env": {**raw["env"], "worker": "ray", "ray_cpus": 1.0}}
+    assert dvcfile.render(parse_params(moved)) == dvcfile.render(parse_params(raw))
+    assert "- env.name" in dvcfile.render(parse_params(raw))  # the rest of the section stays a dep, key by key

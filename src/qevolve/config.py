@@ -94,6 +94,13 @@ class EnvConfig(Section):
     processes: bool = True
     """Run each environment in its own worker process: environments step in parallel, and a crashed or
     hung simulator costs one episode attempt. False runs them in this process, one after another."""
+    worker: Literal["process", "ray"] = "process"
+    """What serves each environment when `processes` is on: a child process of the stage (`process`), or a
+    Ray actor (`ray`: on the cluster `RAY_ADDRESS` names, else a local one on loopback), placed by Ray
+    across a cluster's nodes. The same trajectories either way: where environments run is not part of a
+    stage's lineage (like `model.device`)."""
+    ray_cpus: float = Field(0.25, gt=0)
+    """CPUs Ray reserves per environment actor (`worker: ray`); fractional, so several share a core."""
     step_timeout: float = Field(60.0, gt=0)
     """Seconds a worker may take for one call (reset, step) before it is killed (`processes` only)."""
     start_timeout: float = Field(300.0, gt=0)
@@ -395,7 +402,7 @@ Params = create_model("Params", __base__=CommonParams, __doc__="params.yaml: the
                       **{name: (cls, cls()) for name, cls in method_sections().items()})
 
 
-EXECUTION_PATHS = ("model.device", "train")
+EXECUTION_PATHS = ("model.device", "train", "env.worker", "env.ray_cpus")
 """Where and how a stage computes, not what: left out of DVC's params and of the evolution's identity."""
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from qevolve import paths
-from qevolve.config import Params
+from qevolve.config import EXECUTION_PATHS, Params
 from qevolve.errors import UserError
 from qevolve.recipe import Stage, load_recipe
 
@@ -83,7 +83,7 @@ def _entry(stage: Stage, params: Params, iterations: list[int]) -> dict:
     body = {
         "cmd": f"qevolve run {stage.name}" + ("" if stage.once else " --iteration ${key}"),
         "deps": list(dict.fromkeys([*code_deps(stage.module), *(ref(a, p) for a, p in stage.reads(k).items())])),
-        "params": [key for key in stage.params if _given(params, key)],
+        "params": [key for key in _lineage_keys(stage.params, params) if _given(params, key)],
         "outs": [ref(a, p) for a, p in stage.writes(k).items()] + ([{str(paths.details(name)): {"cache": False}}] if stage.details else []),
         "metrics": [{str(paths.metrics(name)): {"cache": False}}],
     }
@@ -103,6 +103,21 @@ def spec(params: Params) -> dict:
         stages |= {s.name: _entry(s, params, loop) for s in recipe.iteration(params)}
     stages["evaluate"] = _entry(recipe.evaluate(), params, [0, *loop])
     return {"stages": stages}
+
+
+def _lineage_keys(keys: tuple[str, ...], params: Params) -> list[str]:
+    """`keys`, with a section that holds an execution key (`env`: `env.worker`) listed key by key without
+    it: where a stage computes is no dep of it."""
+    out = []
+    for key in keys:
+        if any(p.startswith(f"{key}.") for p in EXECUTION_PATHS):
+            node = params
+            for part in key.split("."):
+                node = getattr(node, part)
+            out += [f"{key}.{f}" for f in type(node).model_fields if f"{key}.{f}" not in EXECUTION_PATHS]
+        else:
+            out.append(key)
+    return out
 
 
 def _given(params: Params, key: str) -> bool:

@@ -12,8 +12,12 @@ __all__ = ["Observation", "Step", "Task", "TextEnv", "check_data", "check_tasks"
 
 def make_env(cfg: EnvConfig, expert: str | None = None, *, worker: bool = False) -> TextEnv:
     """An environment; `expert` names the expert whose `expert_action` it answers (None: no expert).
-    `worker`: run it in its own process (`EnvWorker`). Constructing one is cheap everywhere: a simulator
-    starts at the first reset, so listing tasks costs no JVM or game load."""
+    `worker`: run it in its own process (`EnvWorker`), or Ray actor (`env.worker: ray`). Constructing one
+    is cheap everywhere: a simulator starts at the first reset, so listing tasks costs no JVM or game load."""
+    if worker and cfg.worker == "ray":
+        from qevolve.envs.ray_worker import RayEnvWorker
+
+        return RayEnvWorker(cfg, expert)
     if worker:
         from qevolve.envs.worker import EnvWorker
 

@@ -11,6 +11,7 @@ environments at once.
 from __future__ import annotations
 
 import multiprocessing as mp
+from abc import ABC, abstractmethod
 import os
 import random
 from typing import TYPE_CHECKING
@@ -48,37 +49,22 @@ def _serve(conn, cfg: EnvConfig, expert: str | None) -> None:
             os._exit(0)  # exits when our pipe to it closes, and a normal shutdown could wait on it forever
 
 
-class EnvWorker:
-    """A `TextEnv` served by a child process (see the module docstring)."""
+class RemoteEnv(ABC):
+    """A `TextEnv` whose calls go to an environment elsewhere through `_call(op, *args)`, which raises
+    `EnvWorkerError` when the server died or hung (and kills it)."""
 
-    def __init__(self, cfg: EnvConfig, expert: str | None = None):
+    def __init__(self, cfg: EnvConfig):
         self.timeout = cfg.step_timeout
         self._first_timeout = cfg.start_timeout
-        ctx = mp.get_context("spawn")  # never fork a process that holds torch threads
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, cfg, expert), daemon=True, name=f"env-{cfg.name}")
-        self.process.start()
-        child.close()
         self._tasks: dict[str, list[Task]] = {}
 
-    def _call(self, op: str, *args):
-        if not self.process.is_alive():
-            raise EnvWorkerError(f"environment worker {self.process.pid} is not running (exit code {self.process.exitcode})")
+    def _next_timeout(self) -> float:
+        """The first call may take `start_timeout` (it starts the simulator), every later one `step_timeout`."""
         timeout, self._first_timeout = self._first_timeout or self.timeout, None
-        try:
-            self._conn.send((op, args))
-            if not self._conn.poll(timeout):
-                self.kill()
-                raise EnvWorkerError(f"environment worker {self.process.pid}: {op} took longer than {timeout:g} s; killed it")
-            ok, value = self._conn.recv()
-        except (EOFError, BrokenPipeError, ConnectionResetError):
-            self.process.join(1)
-            code = self.process.exitcode
-            self.kill()
-            raise EnvWorkerError(f"environment worker {self.process.pid} died during {op} (exit code {code})") from None
-        if not ok:
-            raise value
-        return value
+        return timeout
+
+    @abstractmethod
+    def _call(self, op: str, *args): ...
 
     def reset(self, task: Task) -> Observation:
         return self._call("reset", task)
@@ -97,6 +83,41 @@ class EnvWorker:
     def seed_random(self, key: str) -> None:
         """Seed the worker's global `random` (ALFWorld's handcoded expert breaks ties with it)."""
         self._call("seed_random", key)
+
+
+class EnvWorker(RemoteEnv):
+    """A `TextEnv` served by a child process (see the module docstring)."""
+
+    def __init__(self, cfg: EnvConfig, expert: str | None = None):
+        super().__init__(cfg)
+        ctx = mp.get_context("spawn")  # never fork a process that holds torch threads
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, cfg, expert), daemon=True, name=f"env-{cfg.name}")
+        self.process.start()
+        child.close()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def _call(self, op: str, *args):
+        if not self.process.is_alive():
+            raise EnvWorkerError(f"environment worker {self.process.pid} is not running (exit code {self.process.exitcode})")
+        timeout = self._next_timeout()
+        try:
+            self._conn.send((op, args))
+            if not self._conn.poll(timeout):
+                self.kill()
+                raise EnvWorkerError(f"environment worker {self.process.pid}: {op} took longer than {timeout:g} s; killed it")
+            ok, value = self._conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            self.process.join(1)
+            code = self.process.exitcode
+            self.kill()
+            raise EnvWorkerError(f"environment worker {self.process.pid} died during {op} (exit code {code})") from None
+        if not ok:
+            raise value
+        return value
 
     def kill(self) -> None:
         if self.process.is_alive():
