@@ -15,6 +15,7 @@ import mlflow
 from qevolve import paths
 from qevolve.config import Params, lineage_dump
 from qevolve.data.atomic import write_json
+from qevolve.errors import UserError
 from qevolve.lock import STATE_DIR
 from qevolve.data.store import read_store
 from qevolve.data.advantages import read_advantages
@@ -214,8 +215,24 @@ def lineage_tags(result: dict) -> dict[str, str]:
     return tags
 
 
+class TrackingUnavailable(UserError):
+    """The MLflow tracking store failed while a stage was logged."""
+
+    hint = ("the stage's outputs are computed and recorded in dvc.lock; rerun once the tracking server answers (the rerun "
+            "logs it), or unset MLFLOW_TRACKING_URI to track in the workspace's mlflow.db")
+
+
 def log_stage(result: dict) -> None:
-    """Metrics (numbers only) under the stage's name, plus its artifacts."""
+    """Metrics (numbers only) under the stage's name, plus its artifacts; a tracking store that fails is a
+    `TrackingUnavailable` naming it."""
+    try:
+        _log_stage(result)
+    except (mlflow.exceptions.MlflowException, OSError) as err:
+        raise TrackingUnavailable(f"{result['stage']}: logging to MLflow at {mlflow.get_tracking_uri()} failed "
+                                  f"({type(err).__name__}: {str(err)[:300]}); nothing computed is lost") from err
+
+
+def _log_stage(result: dict) -> None:
     name = result["stage"]
     stage, _, iteration = name.partition("@")
     step = int(iteration or 0)

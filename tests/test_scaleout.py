@@ -45,7 +45,7 @@ class Services:
     """Processes started for a test, each logging to a file, all stopped at its end."""
 
     def __init__(self, tmp: Path):
-        self.tmp, self.procs = tmp, []
+        self.tmp, self.procs, self.cleanup = tmp, [], []
 
     def start(self, name: str, args: list[str], env: dict, url: str | None = None) -> subprocess.Popen:
         log = self.tmp / f"{name}.log"
@@ -63,6 +63,8 @@ class Services:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, 9)
+        for step in self.cleanup:
+            step()
 
 
 @pytest.fixture
@@ -98,9 +100,14 @@ def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_fro
     boto3.client("s3", endpoint_url=s3, **{k.lower(): v for k, v in S3_ENV.items() if k != "AWS_DEFAULT_REGION"},
                  region_name="us-east-1").create_bucket(Bucket="qevolve")
     api = f"http://127.0.0.1:{_port()}/api"
+    server_env = {**env, "PREFECT_API_DATABASE_CONNECTION_URL": "postgresql+asyncpg://" + _postgres(services, env, "prefect")}
     env["PREFECT_API_URL"] = api
-    services.start("prefect", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", api.split(":")[2].split("/")[0]],
-                   env, url=f"{api}/health")
+
+    def start_prefect():
+        return services.start("prefect", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
+                                          api.split(":")[2].split("/")[0]], server_env, url=f"{api}/health")
+
+    server = start_prefect()
     subprocess.run([sys.executable, "-m", "flows.scaleout", "deploy", "gpu"], cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
     services.start("worker", [str(BIN / "prefect"), "worker", "start", "--pool", "gpu"], {**env, "QEVOLVE_WORKER_DIR": str(tmp_path / "worker")})
 
@@ -114,7 +121,18 @@ def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_fro
     assert failed.returncode != 0
     assert re.search(r"bc: its run on work pool 'gpu' ended Failed .*this worker's code .* is not the orchestrator's", failed.stdout + failed.stderr)
     edited.write_text(original)
-    _evolve(a, env)  # a new attempt: a new flow run on the pool
+    # A new attempt (a new flow run on the pool); the Prefect server restarted while the worker runs bc.
+    attempt = subprocess.Popen([sys.executable, "-m", "flows.evolve", "--root", str(a)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 600
+    while (tmp_path / "worker.log").read_text().count("Beginning subflow run 'bc'") < 2 and time.time() < deadline:
+        assert attempt.poll() is None, attempt.communicate()[0][-3000:]
+        time.sleep(0.2)
+    os.killpg(server.pid, 15)
+    server.wait(30)
+    server = start_prefect()
+    out = attempt.communicate(timeout=900)[0]
+    assert attempt.returncode == 0, out[-4000:]
     # bc ran on the worker, in its own workspace; the orchestrator restored it and wrote dvc.lock alone.
     [worker_ws] = (tmp_path / "worker").iterdir()
     assert (worker_ws / "models" / "bc" / "adapter_model.safetensors").exists() and not (worker_ws / "metrics" / "evaluate@0.json").exists()
@@ -189,3 +207,93 @@ def test_an_unreachable_remote_is_an_error_naming_it_and_nothing_computed_is_los
     with pytest.raises(RemoteUnreachable, match=r"gen: pushing its outputs \(kept here, recorded in dvc.lock\): the DVC remote s3://qevolve/dvc failed"):
         push_stage(root, "gen", "s3://qevolve/dvc")
     assert (root / "out.txt").read_text() == "hello\n" and "gen" in yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+
+
+def test_a_tracking_server_that_fails_at_a_stages_end_is_an_error_naming_it(tmp_path, monkeypatch):
+    import mlflow
+
+    from flows.tracking import TrackingUnavailable, log_stage
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    mlflow.set_tracking_uri(f"http://127.0.0.1:{_port()}")
+    try:
+        with pytest.raises(TrackingUnavailable, match=r"bc: logging to MLflow at http://127.0.0.1:\d+ failed .*nothing computed is lost"):
+            log_stage({"stage": "bc", "metrics": {"loss": 1.0}})
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
+def _postgres(services: Services, env: dict, database: str) -> str:
+    """A PostgreSQL 15 cluster on loopback (as the `postgres` user, which initdb needs), with `database`;
+    its address (`postgres@127.0.0.1:port/database`)."""
+    import shutil
+    import tempfile
+
+    bin_dir = Path("/usr/lib/postgresql/15/bin")
+    if not bin_dir.exists() or shutil.which("runuser") is None:
+        pytest.skip("PostgreSQL 15 is not installed")
+    data = Path(tempfile.mkdtemp(prefix="qevolve-pg-", dir="/tmp"))
+    shutil.chown(data, "postgres")
+    data.chmod(0o700)
+    as_pg = ["runuser", "-u", "postgres", "--"]
+    subprocess.run([*as_pg, str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"], check=True, capture_output=True)
+    port = _port()
+    services.start("postgres", [*as_pg, str(bin_dir / "postgres"), "-D", str(data), "-p", str(port), "-k", str(data),
+                                "-c", "listen_addresses=127.0.0.1"], env)
+    for _ in range(120):
+        if subprocess.run([str(bin_dir / "pg_isready"), "-h", "127.0.0.1", "-p", str(port)], capture_output=True).returncode == 0:
+            break
+        time.sleep(0.5)
+    subprocess.run([str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", database], check=True)
+    services.cleanup.append(lambda: shutil.rmtree(data, ignore_errors=True))
+    return f"postgres@127.0.0.1:{port}/{database}"
+
+
+@pytest.mark.slow
+def test_mlflow_on_postgresql_keeps_the_evolution_and_its_artifacts_go_to_s3_through_the_server(tmp_path, services):
+    env = {**os.environ, **S3_ENV, "PYTHONPATH": str(REPO), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    s3 = f"http://127.0.0.1:{_port()}"
+    services.start("moto", [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", s3.rsplit(":", 1)[1]], env, url=s3)
+    import boto3
+
+    s3_client = boto3.client("s3", endpoint_url=s3, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1")
+    s3_client.create_bucket(Bucket="qevolve")
+    database = "postgresql+psycopg://" + _postgres(services, env, "mlflow")
+    port = _port()
+
+    def start_mlflow():
+        return services.start("mlflow", [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                                         "--backend-store-uri", database, "--artifacts-destination", "s3://qevolve/mlflow"],
+                              {**env, "MLFLOW_S3_ENDPOINT_URL": s3}, url=f"http://127.0.0.1:{port}/health")
+
+    server = start_mlflow()
+    # The flow holds no S3 credentials: artifacts go through the server (proxied).
+    client_env = {k: v for k, v in env.items() if not k.startswith("AWS_")} | {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"}
+    ws = _workspace(tmp_path / "ws", tmp_path, {})
+    _evolve(ws, client_env)
+    import mlflow
+
+    mlflow.set_tracking_uri(f"http://127.0.0.1:{port}")
+    try:
+        [parent] = mlflow.search_runs(experiment_names=["qevolve"], output_format="list")
+        assert "bc/loss" in parent.data.metrics and parent.info.status == "FINISHED"
+        assert "bc_adapter" in {a.path for a in mlflow.MlflowClient().list_artifacts(parent.info.run_id)}
+        keys = [o["Key"] for o in s3_client.list_objects_v2(Bucket="qevolve", Prefix="mlflow/")["Contents"]]
+        assert any(k.endswith("bc_adapter/adapter_model.safetensors") for k in keys)
+
+        # The server down, then back (the same database): the rerun resumes the same MLflow run.
+        os.killpg(server.pid, 15)
+        server.wait(30)
+        params = yaml.safe_load((ws / "params.yaml").read_text())
+        params["evolve"]["iterations"] = 1
+        (ws / "params.yaml").write_text(yaml.safe_dump(params))
+        down = subprocess.run([sys.executable, "-m", "flows.evolve", "--root", str(ws)], cwd=REPO, capture_output=True, text=True, timeout=900,
+                              env={**client_env, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"})
+        assert down.returncode != 0 and f"127.0.0.1:{port}" in down.stdout + down.stderr
+        start_mlflow()
+        _evolve(ws, client_env)
+        [again] = mlflow.search_runs(experiment_names=["qevolve"], output_format="list", filter_string="tags.mlflow.parentRunId IS NULL")
+        assert again.info.run_id == parent.info.run_id and again.info.status == "FINISHED" and "evaluate/test/success_rate" in again.data.metrics
+    finally:
+        mlflow.set_tracking_uri(None)
