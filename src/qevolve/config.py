@@ -240,6 +240,11 @@ class PolicyConfig(TrainConfig):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature when collecting (evaluation is greedy)."""
     max_new_tokens: int = Field(32, gt=0)
+    backend: Literal["hf", "vllm"] = "hf"
+    """What runs the policy's passes in rollouts (`collect@k`, `evaluate@k`): `hf`, transformers in the stage's
+    process (`qevolve.models.backend.HFBackend`), or `vllm` (GPU machines, the `vllm` extra; generation in
+    `free` mode on vLLM, admissible scoring still on `hf`; needs `model.lora.train_embeddings: false`). Not
+    part of a stage's lineage, like `model.device`."""
     algo: Literal["bppo", "awr"] = "bppo"
     """`bppo`: clipped surrogate against the behaviour policy (Q-Evolve); `awr`: the ablation."""
     epochs: int = Field(2, gt=0)
@@ -359,6 +364,9 @@ class CommonParams(Section):
             raise ValueError(f"experts.demos: {self.env.name} has no expert(s) {unknown}; expected some of {list(experts)}")
         if self.policy.action_mode == "admissible" and not lists_actions:
             raise ValueError(f"policy.action_mode: {self.env.name} does not list valid actions; use `free`")
+        if self.policy.backend == "vllm" and self.model.lora.train_embeddings:
+            raise ValueError("policy.backend: vLLM refuses LoRA adapters that train the embeddings (modules_to_save); set "
+                             "model.lora.train_embeddings: false with a pretrained base, or use policy.backend hf")
         for module in _method_configs():
             if hasattr(module, "check"):
                 module.check(self)
@@ -402,7 +410,7 @@ Params = create_model("Params", __base__=CommonParams, __doc__="params.yaml: the
                       **{name: (cls, cls()) for name, cls in method_sections().items()})
 
 
-EXECUTION_PATHS = ("model.device", "train", "env.worker", "env.ray_cpus")
+EXECUTION_PATHS = ("model.device", "train", "env.worker", "env.ray_cpus", "policy.backend")
 """Where and how a stage computes, not what: left out of DVC's params and of the evolution's identity."""
 
 

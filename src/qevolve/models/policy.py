@@ -99,6 +99,17 @@ def use_adapter(model, name: str) -> None:
         p.requires_grad_(True)
 
 
+def rollout_backend(params, base_dir: Path, policy_dir: Path, model, tokenizer) -> RolloutBackend:
+    """What a rollout stage's actor runs on (`policy.backend`): `HFBackend` on the loaded policy `model`, or
+    vLLM with the adapter at `policy_dir` (scoring, in admissible mode, on `HFBackend`)."""
+    hf = HFBackend(model.eval(), tokenizer.pad_token_id)
+    if params.policy.backend == "hf":
+        return hf
+    from qevolve.models.vllm_backend import vllm_backend
+
+    return vllm_backend(base_dir, policy_dir, params.model, hf if params.policy.action_mode == "admissible" else None)
+
+
 @dataclass
 class Decision:
     output: str
@@ -116,10 +127,11 @@ class Actor:
     `slots` name where each episode runs (a rollout slot), so the backend can keep its KV cache from
     one turn to the next; `reuse_cache=False` re-encodes every prompt in full (the baseline)."""
 
-    def __init__(self, model, tokenizer, builder: PromptBuilder, mode: str, temperature: float, max_new_tokens: int, reuse_cache: bool = True):
+    def __init__(self, model, tokenizer, builder: PromptBuilder, mode: str, temperature: float, max_new_tokens: int, reuse_cache: bool = True,
+                 backend: RolloutBackend | None = None):
         self.tok, self.builder = tokenizer, builder
         self.mode, self.temperature, self.max_new_tokens = mode, temperature, max_new_tokens
-        self.backend: RolloutBackend = HFBackend(model.eval(), tokenizer.pad_token_id, reuse=reuse_cache)
+        self.backend: RolloutBackend = backend or HFBackend(model.eval(), tokenizer.pad_token_id, reuse=reuse_cache)
         self._end = builder.end_ids or [tokenizer.eos_token_id]
 
     def decide(self, episodes: list, greedy: bool, generator: torch.Generator | None, slots: list[int]) -> list[Decision]:

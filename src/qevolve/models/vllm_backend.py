@@ -1,0 +1,71 @@
+"""A vLLM rollout backend (`policy.backend: vllm`, the `vllm` extra, GPU machines) for `free` mode.
+
+vLLM generates the turns, with the stage's adapter directory as the LoRA request (the adapter DVC tracks
+is what vLLM loads; nothing is merged or exported) and its prefix cache in place of `HFBackend`'s per-slot
+KV cache. Each prompt is sampled with its own seed, drawn from the stage's generator, so a stage's draws
+do not depend on how vLLM batches them. A turn ends where the actor's stop rule says: vLLM generates up to
+`max_new_tokens` (or its end-of-sequence token) and the tokens after the first prefix that `stop` accepts
+are dropped, their log-probs with them. Log-probs are the sampling distribution's (`processed_logprobs`,
+after the temperature), as `HFBackend` reports them.
+
+`admissible` scoring stays on `HFBackend` (`scorer`): vLLM computes prompt log-probs without its prefix
+cache, so every candidate would encode the whole prompt again. vLLM refuses adapters that train the
+embeddings (`modules_to_save`), so it needs `model.lora.train_embeddings: false`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from qevolve.config import ModelConfig
+from qevolve.models.backend import HFBackend, StopRule
+
+
+class VLLMBackend:
+    """`RolloutBackend.generate` on a vLLM engine (`vllm.LLM`, or anything with its `generate`), `score` on
+    `scorer`. `sampling_params` builds one request's parameters (`vllm.SamplingParams`)."""
+
+    def __init__(self, engine, lora_request, sampling_params: Callable, scorer: HFBackend | None = None):
+        self.engine, self.lora_request, self.sampling_params, self.scorer = engine, lora_request, sampling_params, scorer
+        self.encoded_tokens = 0
+        """Prompt and generated tokens sent to the engine (its prefix cache decides what it encodes)."""
+
+    def score(self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]) -> list[torch.Tensor]:
+        if self.scorer is None:
+            raise ValueError("policy.backend vllm generates only; admissible scoring runs on the HF backend (`scorer`)")
+        return self.scorer.score(slots, prompts, candidates)
+
+    def forget(self, slot: int | None = None) -> None:
+        """Nothing is kept per slot (vLLM's prefix cache is keyed by content)."""
+
+    def generate(self, slots: list[int], prompts: list[list[int]], *, max_new_tokens: int, stop: StopRule, greedy: bool,
+                 temperature: float, generator: torch.Generator | None = None) -> list[tuple[list[int], float]]:
+        seeds = [None if greedy else int(torch.randint(2**31 - 1, (1,), generator=generator)) for _ in prompts]
+        params = [self.sampling_params(max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature, seed=seed, logprobs=0)
+                  for seed in seeds]
+        outputs = self.engine.generate([{"prompt_token_ids": list(p)} for p in prompts], params, lora_request=self.lora_request, use_tqdm=False)
+        results = []
+        for out in outputs:
+            turn = out.outputs[0]
+            tokens = list(turn.token_ids)
+            logps = [step[token].logprob for step, token in zip(turn.logprobs, tokens)]
+            n = next((i for i in range(1, len(tokens) + 1) if stop(tokens[:i])), len(tokens))
+            results.append((tokens[:n], float(sum(logps[:n]))))
+        self.encoded_tokens += sum(map(len, prompts)) + sum(len(t) for t, _ in results)
+        return results
+
+
+def vllm_backend(base_dir: Path, adapter_dir: Path, cfg: ModelConfig, scorer: HFBackend | None) -> VLLMBackend:
+    """A vLLM engine on the base model with the adapter at `adapter_dir` as its LoRA request."""
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.lora.request import LoRARequest
+    except ImportError as err:
+        raise ImportError("policy.backend: `vllm` needs vLLM installed (pip install -e '.[vllm]' on a GPU machine)") from err
+    dtype = "auto" if cfg.dtype == "auto" else cfg.dtype
+    engine = LLM(model=str(base_dir), dtype=dtype, enable_lora=True, max_lora_rank=cfg.lora.r, enable_prefix_caching=True,
+                 logprobs_mode="processed_logprobs")
+    return VLLMBackend(engine, LoRARequest("policy", 1, str(adapter_dir)), SamplingParams, scorer)

@@ -1,0 +1,82 @@
+"""The vLLM rollout backend against a fake engine (vLLM needs a GPU; real runs happen only there): what it
+asks the engine for, how it cuts a turn at the actor's stop rule, and that a free-mode actor plays on it."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from qevolve.models.policy import Actor
+from qevolve.models.prompt import PromptBuilder
+from qevolve.models.vllm_backend import VLLMBackend
+
+
+class FakeEngine:
+    """`vllm.LLM.generate`'s shape: per prompt, one completion of `reply` tokens with log-prob -0.5 each."""
+
+    def __init__(self, reply: list[int]):
+        self.reply, self.calls = reply, []
+
+    def generate(self, prompts, params, lora_request=None, use_tqdm=True):
+        self.calls.append((prompts, params, lora_request))
+        steps = [{t: SimpleNamespace(logprob=-0.5)} for t in self.reply]
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=tuple(self.reply), logprobs=steps)]) for _ in prompts]
+
+
+def params(**kw):
+    return SimpleNamespace(**kw)
+
+
+def test_generate_sends_one_seeded_request_per_prompt_with_the_adapter_and_cuts_at_the_stop_rule():
+    engine = FakeEngine([5, 6, 7, 8, 9])
+    backend = VLLMBackend(engine, "adapter-request", params)
+    stop_at_7 = lambda tokens: tokens[-1] == 7  # noqa: E731
+    out = backend.generate([0, 1], [[1, 2], [3]], max_new_tokens=5, stop=stop_at_7, greedy=False, temperature=0.7,
+                           generator=torch.Generator().manual_seed(0))
+    assert out == [([5, 6, 7], -1.5), ([5, 6, 7], -1.5)]  # the tokens after the stop and their log-probs dropped
+    prompts, sent, lora = engine.calls[0]
+    assert prompts == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}] and lora == "adapter-request"
+    assert [(p.max_tokens, p.temperature, p.logprobs) for p in sent] == [(5, 0.7, 0), (5, 0.7, 0)]
+    seeds = [p.seed for p in sent]
+    assert seeds[0] != seeds[1]  # each prompt its own draw, from the stage's generator: the same again with its seed
+    backend.generate([0, 1], [[1, 2], [3]], max_new_tokens=5, stop=stop_at_7, greedy=False, temperature=0.7,
+                     generator=torch.Generator().manual_seed(0))
+    assert [p.seed for p in engine.calls[1][1]] == seeds
+    greedy = backend.generate([0], [[1]], max_new_tokens=5, stop=lambda t: False, greedy=True, temperature=0.7)
+    assert greedy == [([5, 6, 7, 8, 9], -2.5)] and (engine.calls[2][1][0].temperature, engine.calls[2][1][0].seed) == (0.0, None)
+    assert backend.encoded_tokens == (3 + 6) * 2 + 1 + 5
+
+
+def test_scoring_runs_on_the_hf_scorer_and_without_one_is_refused():
+    class Scorer:
+        def score(self, slots, prompts, candidates):
+            return [torch.tensor([-1.0] * len(c)) for c in candidates]
+
+    assert VLLMBackend(FakeEngine([]), None, params, scorer=Scorer()).score([0], [[1]], [[[2], [3]]])[0].tolist() == [-1.0, -1.0]
+    with pytest.raises(ValueError, match="admissible scoring runs on the HF backend"):
+        VLLMBackend(FakeEngine([]), None, params).score([0], [[1]], [[[2]]])
+
+
+def test_a_free_mode_actor_plays_on_it(tiny_tokenizer):
+    builder = PromptBuilder(tiny_tokenizer, 256)
+    reply = builder.action_ids("Action: inventory")
+    engine = FakeEngine(reply + tiny_tokenizer.encode(" and more", add_special_tokens=False))
+    actor = Actor(None, tiny_tokenizer, builder, "free", 1.0, 40, backend=VLLMBackend(engine, None, params))
+    episode = SimpleNamespace(traj=SimpleNamespace(instruction="craft a stick"), observations=["You have nothing."], outputs=[], admissible=[])
+    [decision] = actor.decide([episode], greedy=True, generator=None, slots=[0])
+    assert decision.output.startswith("Action: inventory") and actor.parse(decision.output) == "inventory"
+    assert decision.prompt_tokens == len(engine.calls[0][0][0]["prompt_token_ids"])
+
+
+def test_vllm_needs_adapters_without_trained_embeddings_and_is_no_part_of_lineage():
+    from conftest import REPO
+    from qevolve import dvcfile
+    from qevolve.config import ConfigError, parse_params
+
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    with pytest.raises(ConfigError, match=r"policy.backend: vLLM refuses LoRA adapters that train the embeddings"):
+        parse_params({**raw, "policy": {**raw.get("policy", {}), "backend": "vllm"}})
+    raw["model"]["lora"]["train_embeddings"] = False
+    on_vllm = parse_params({**raw, "policy": {**raw.get("policy", {}), "backend": "vllm"}})
+    assert dvcfile.render(on_vllm) == dvcfile.render(parse_params(raw))
