@@ -38,7 +38,7 @@ def test_admissible_actor_greedy_and_sampled_logp(tiny_base):
     best = int(scores.argmax())
     assert greedy.output == f"Action: {acts[best]}"
     assert abs(greedy.logp - float(torch.log_softmax(scores, -1)[best])) < 1e-5
-    [sampled] = actor.act([prompt], [acts], greedy=False, generator=torch.Generator().manual_seed(0))
+    [sampled] = actor.act([prompt], [acts], greedy=False, generators=[torch.Generator().manual_seed(0)])
     k = [f"Action: {a}" for a in acts].index(sampled.output)
     assert abs(sampled.logp - float(torch.log_softmax(scores / 2.0, -1)[k])) < 1e-5
 

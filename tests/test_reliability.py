@@ -108,7 +108,7 @@ class ScriptedActor(Actor):
     def __init__(self, builder, outputs):
         self.builder, self.outputs = builder, list(outputs)
 
-    def act(self, prompts, admissible, greedy, generator=None, slots=None):
+    def act(self, prompts, admissible, greedy, generators=None, slots=None):
         return [Decision(self.outputs.pop(0), -1.0, 3) for _ in prompts]
 
 

@@ -4,7 +4,7 @@ from qevolve.config import ModelConfig
 from qevolve.envs.base import Observation, Step, Task
 from qevolve.models.policy import Actor, load_policy
 from qevolve.models.prompt import PromptBuilder
-from qevolve.rollout import play
+from qevolve.rollout import episode_seed, play
 
 
 class Corridor:
@@ -55,3 +55,22 @@ def test_free_text_format_errors_do_not_step_the_env(tiny_base):
     assert bad  # an untrained model writing 4 tokens does not produce an `Action:` line
     assert all(not s.valid and s.next_observation == s.observation for s in bad)
     assert len(env.steps) == len(traj.steps) - len(bad)
+
+
+def test_an_episodes_draws_do_not_depend_on_what_it_is_batched_with(tiny_base):
+    """Each episode samples from its own seed: the same sampled episodes one at a time and three at once."""
+    model, tok = load_policy(tiny_base, ModelConfig(lora={"r": 4, "alpha": 8}))
+    for mode in ("admissible", "free"):
+        actor = Actor(model, tok, PromptBuilder(tok, 256), mode, temperature=50.0, max_new_tokens=6)
+        env = Corridor()
+        runs = [[[(s.output, round(s.logp, 4)) for s in t.steps]
+                 for t in play(lambda: env, env.tasks("train") * 2, actor, max_steps=4, greedy=False, source="p", batch_size=b, seed=3)]
+                for b in (1, 3)]
+        assert runs[0] == runs[1]
+        assert len({str(episode) for episode in runs[0]}) > 1  # the two episodes of a task draw differently
+
+
+def test_episode_seeds_differ_by_stage_seed_place_task_and_attempt():
+    seeds = {episode_seed(*key) for key in [(0, 0, "t0", 0), (1, 0, "t0", 0), (0, 1, "t0", 0), (0, 0, "t1", 0), (0, 0, "t0", 1)]}
+    assert len(seeds) == 5 and all(0 <= s < 2**63 for s in seeds)
+    assert episode_seed(0, 0, "t0", 0) == episode_seed(0, 0, "t0", 0)

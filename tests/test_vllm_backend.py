@@ -32,20 +32,15 @@ def test_generate_sends_one_seeded_request_per_prompt_with_the_adapter_and_cuts_
     engine = FakeEngine([5, 6, 7, 8, 9])
     backend = VLLMBackend(engine, "adapter-request", params)
     stop_at_7 = lambda tokens: tokens[-1] == 7  # noqa: E731
-    out = backend.generate([0, 1], [[1, 2], [3]], max_new_tokens=5, stop=stop_at_7, greedy=False, temperature=0.7,
-                           generator=torch.Generator().manual_seed(0))
+    out = backend.generate([0, 1], [[1, 2], [3]], max_new_tokens=5, stop=stop_at_7, greedy=False, temperature=0.7, seeds=[11, 12])
     assert out == [([5, 6, 7], -1.5), ([5, 6, 7], -1.5)]  # the tokens after the stop and their log-probs dropped
     prompts, sent, lora = engine.calls[0]
     assert prompts == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}] and lora == "adapter-request"
     assert [(p.max_tokens, p.temperature, p.logprobs) for p in sent] == [(5, 0.7, 0), (5, 0.7, 0)]
-    seeds = [p.seed for p in sent]
-    assert seeds[0] != seeds[1]  # each prompt its own draw, from the stage's generator: the same again with its seed
-    backend.generate([0, 1], [[1, 2], [3]], max_new_tokens=5, stop=stop_at_7, greedy=False, temperature=0.7,
-                     generator=torch.Generator().manual_seed(0))
-    assert [p.seed for p in engine.calls[1][1]] == seeds
+    assert [p.seed for p in sent] == [11, 12]  # each prompt its own episode's seed, whatever the batch
     greedy = backend.generate([0], [[1]], max_new_tokens=5, stop=lambda t: False, greedy=True, temperature=0.7)
-    assert greedy == [([5, 6, 7, 8, 9], -2.5)] and (engine.calls[2][1][0].temperature, engine.calls[2][1][0].seed) == (0.0, None)
-    assert backend.encoded_tokens == (3 + 6) * 2 + 1 + 5
+    assert greedy == [([5, 6, 7, 8, 9], -2.5)] and (engine.calls[1][1][0].temperature, engine.calls[1][1][0].seed) == (0.0, None)
+    assert backend.encoded_tokens == 3 + 6 + 1 + 5
 
 
 def test_scoring_runs_on_the_hf_scorer_and_without_one_is_refused():
@@ -64,7 +59,7 @@ def test_a_free_mode_actor_plays_on_it(tiny_tokenizer):
     engine = FakeEngine(reply + tiny_tokenizer.encode(" and more", add_special_tokens=False))
     actor = Actor(None, tiny_tokenizer, builder, "free", 1.0, 40, backend=VLLMBackend(engine, None, params))
     episode = SimpleNamespace(traj=SimpleNamespace(instruction="craft a stick"), observations=["You have nothing."], outputs=[], admissible=[])
-    [decision] = actor.decide([episode], greedy=True, generator=None, slots=[0])
+    [decision] = actor.decide([episode], greedy=True, slots=[0])
     assert decision.output.startswith("Action: inventory") and actor.parse(decision.output) == "inventory"
     assert decision.prompt_tokens == len(engine.calls[0][0][0]["prompt_token_ids"])
 

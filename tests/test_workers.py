@@ -140,3 +140,46 @@ def test_where_environments_run_is_not_part_of_a_stages_lineage():
     moved = {**raw, "env": {**raw["env"], "worker": "ray", "ray_cpus": 1.0}}
     assert dvcfile.render(parse_params(moved)) == dvcfile.render(parse_params(raw))
     assert "- env.name" in dvcfile.render(parse_params(raw))  # the rest of the section stays a dep, key by key
+
+
+def test_policy_replicas_play_the_same_episodes_as_the_stages_process(tmp_path, tiny_base, ray_cluster):
+    """R = 2 replicas (slot s on replica s % 2) and the stage's own process: the same sampled episodes, in
+    both action modes, since each episode samples from its own seed."""
+    from qevolve.config import parse_params
+    from qevolve.models.policy import Actor, load_policy, rollout_backend
+    from tests.test_env_pipelines import _tiny
+    from tests.test_rollout import Corridor
+
+    raw = _tiny("webshop", tmp_path)
+    model, _ = load_policy(tiny_base, parse_params(raw).model)
+    model.save_pretrained(tmp_path / "policy")
+    backends = {}
+    for replicas in (0, 2):
+        raw["policy"].update(replicas=replicas, replica_cpus=0.5)
+        backends[replicas] = rollout_backend(parse_params(raw), tiny_base, tmp_path / "policy")
+    for mode in ("admissible", "free"):
+        runs = {}
+        for replicas, (backend, tok) in backends.items():
+            actor = Actor(None, tok, PromptBuilder(tok, 256), mode, 50.0, 6, backend=backend)
+            env = Corridor()
+            trajs = play(lambda: env, env.tasks("train") * 2, actor, max_steps=4, greedy=False, source="p", batch_size=3, seed=1)
+            runs[replicas] = [[(s.output, round(s.logp, 3)) for s in t.steps] for t in trajs]
+        assert runs[2] == runs[0] and len({str(r) for r in runs[0]}) > 1
+    assert backends[2][0].placement() == {**backends[0][0].placement(), "replicas": 2}
+    import ray
+
+    ray.kill(backends[2][0].replicas[1])  # a dead replica fails the stage, naming it
+    with pytest.raises(RuntimeError, match="policy replica 1 of 2 died during score"):
+        backends[2][0].score([0, 1], [[1, 2], [1, 2]], [[[3]], [[3]]])
+
+
+def test_policy_replicas_are_not_part_of_a_stages_lineage():
+    import yaml
+
+    from qevolve import dvcfile
+    from qevolve.config import parse_params
+    from tests.test_pipeline import REPO
+
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    spread = {**raw, "policy": {**raw["policy"], "replicas": 4, "replica_cpus": 2.0}}
+    assert dvcfile.render(parse_params(spread)) == dvcfile.render(parse_params(raw))

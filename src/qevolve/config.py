@@ -245,6 +245,12 @@ class PolicyConfig(TrainConfig):
     process (`qevolve.models.backend.HFBackend`), or `vllm` (GPU machines, the `vllm` extra; generation in
     `free` mode on vLLM, admissible scoring still on `hf`; needs `model.lora.train_embeddings: false`). Not
     part of a stage's lineage, like `model.device`."""
+    replicas: int = Field(0, ge=0)
+    """Policy replicas as Ray actors serving `collect@k` and `evaluate@k` (`qevolve.models.ray_policy`), each
+    with its own copy of the policy on `backend`; episode slot s goes to replica s % replicas. 0: the stage's
+    own process. Each reserves a GPU where `model.device` is one, else `replica_cpus` CPUs. Not part of a
+    stage's lineage: each episode samples from its own seed, so the episodes do not depend on it."""
+    replica_cpus: float = Field(1.0, gt=0)
     algo: Literal["bppo", "awr"] = "bppo"
     """`bppo`: clipped surrogate against the behaviour policy (Q-Evolve); `awr`: the ablation."""
     epochs: int = Field(2, gt=0)
@@ -410,7 +416,7 @@ Params = create_model("Params", __base__=CommonParams, __doc__="params.yaml: the
                       **{name: (cls, cls()) for name, cls in method_sections().items()})
 
 
-EXECUTION_PATHS = ("model.device", "train", "env.worker", "env.ray_cpus", "policy.backend")
+EXECUTION_PATHS = ("model.device", "train", "env.worker", "env.ray_cpus", "policy.backend", "policy.replicas", "policy.replica_cpus")
 """Where and how a stage computes, not what: left out of DVC's params and of the evolution's identity."""
 
 

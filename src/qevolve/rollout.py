@@ -9,6 +9,7 @@ episodes failed that way.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,6 @@ from qevolve.data.store import StepRecord, Trajectory, write_store
 from qevolve.envs import make_env as make_configured_env
 from qevolve.envs import select_tasks
 from qevolve.envs.base import Task, TextEnv, check_env_failures, env_error
-from qevolve.models.device import placement
 from qevolve.models.policy import Actor
 from qevolve.models.prompt import clean_text
 
@@ -39,6 +39,16 @@ class _Episode:
     outputs: list[str] = field(default_factory=list)
     state: dict = field(default_factory=dict)
     """What a stateful actor keeps about the episode (a hierarchical agent: its subtask and progress)."""
+    generator: torch.Generator | None = None
+    """The episode's own sampling stream (`episode_seed`)."""
+
+
+def episode_seed(seed: int, index: int, task_id: str, attempt: int) -> int:
+    """The seed of one episode's sampling, from the stage's `seed` and the episode alone (its place in the
+    task list, its task and its restart count), so what an episode draws does not depend on the episodes
+    it is batched with, on the batch size, or on how many policy replicas serve the batch."""
+    digest = hashlib.sha256(f"{seed}/{index}/{task_id}/{attempt}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def _attempt(call: Callable, arg):
@@ -69,14 +79,13 @@ def play(
     Each round `actor.decide` picks the next output of every running episode, `actor.parse` reads its
     action (None: a format error, not sent to the environment), the environments step, and
     `actor.observed` sees the episodes that stepped (a flat `Actor` ignores it; a hierarchical agent
-    updates its progress there).
+    updates its progress there). Each episode samples from its own generator (`episode_seed`).
 
     An episode ends at `max_steps` or at its task's own limit (`Task.max_steps`), whichever is smaller.
     When its environment raises (for an `EnvWorker`: dies or times out), the episode is restarted from its
     first step on a fresh environment up to `retries` times, then recorded with `failure` =
     `env_error: <exception>` (see `env_failures`). `parallel`: step the environments from one thread
     each, for environments that run in worker processes."""
-    generator = torch.Generator().manual_seed(seed)
     envs = [make_env() for _ in range(min(batch_size, len(tasks)))]
     queue = list(enumerate(tasks))
     attempts = [0] * len(tasks)
@@ -113,14 +122,15 @@ def play(
                     fail(s, index, traj, first)
                     continue
                 traj.instruction = first.instruction
-                slots[s] = (index, _Episode(task, traj, [first.text], first.admissible))
+                generator = torch.Generator().manual_seed(episode_seed(seed, index, task.id, attempts[index]))
+                slots[s] = (index, _Episode(task, traj, [first.text], first.admissible, generator=generator))
 
     try:
         refill()
         while any(slots):
             active = [s for s, e in enumerate(slots) if e is not None]
             episodes = [slots[s][1] for s in active]
-            decisions = actor.decide(episodes, greedy, generator, active)
+            decisions = actor.decide(episodes, greedy, active)
             outputs = [clean_text(d.output) for d in decisions]  # whatever the backend decoded, the store holds valid UTF-8
             actions = [actor.parse(o) for o in outputs]
             stepping = [(s, a) for s, a in zip(active, actions) if a is not None]
@@ -227,7 +237,7 @@ def play_splits(params: Params, actor: Actor, out: Path, metrics_path: Path, sou
             **episode_metrics(trajs), "cumulative_env_steps": spent["cumulative_env_steps"],
             "cumulative_generated_tokens": spent.get("cumulative_generated_tokens", 0),
             "truncated_observations": len(actor.builder.truncated) - cut, "env_failures": failures,
-            **placement(actor.backend.model),
+            **actor.backend.placement(),
         }
         all_trajs += trajs
     write_store(out, all_trajs)

@@ -17,7 +17,7 @@ import torch
 
 from qevolve.hierarchy.annotators import NONE, Label
 from qevolve.hierarchy.roles import ROLES, RolePrompts, low_output, parse_low
-from qevolve.models.backend import HFBackend
+from qevolve.models.backend import HFBackend, seeds_from
 from qevolve.models.policy import Decision
 from qevolve.models.prompt import PromptBuilder
 
@@ -43,7 +43,7 @@ class HierarchicalAgent:
         self.labels: dict[str, list[Label]] = {}
         self.role_tokens: dict[str, dict[str, int]] = {}
         self.role_calls: dict[str, dict[str, int]] = {}
-        self._greedy, self._generator = True, None
+        self._greedy = True
 
     def _prompt(self, text: str) -> list[int]:
         return self.builder.head_ids + self.builder.user_turn(text)
@@ -63,22 +63,24 @@ class HierarchicalAgent:
             self.activate(role)
         return self.backends[role]
 
-    def _write(self, role: str, slots: list[int], prompts: list[list[int]], max_new_tokens: int) -> list[tuple[str, float, int]]:
-        out = self._backend(role).generate(slots, prompts, max_new_tokens=max_new_tokens, stop=self._stop, greedy=self._greedy,
-                                           temperature=self.temperature, generator=self._generator)
+    def _write(self, role: str, episodes: list, prompts: list[list[int]], max_new_tokens: int) -> list[tuple[str, float, int]]:
+        seeds = None if self._greedy else seeds_from([e.generator for e in episodes])
+        out = self._backend(role).generate([e.state["slot"] for e in episodes], prompts, max_new_tokens=max_new_tokens, stop=self._stop,
+                                           greedy=self._greedy, temperature=self.temperature, seeds=seeds)
         return [((self.tok.decode(t, skip_special_tokens=True).strip().splitlines() or [""])[0].strip(), lp, len(t)) for t, lp in out]
 
-    def _choose(self, role: str, slots: list[int], prompts: list[list[int]], candidates: list[list[str]]) -> list[tuple[str, float, int]]:
+    def _choose(self, role: str, episodes: list, prompts: list[list[int]], candidates: list[list[str]]) -> list[tuple[str, float, int]]:
         ids = [[self.builder.action_ids(c) for c in cands] for cands in candidates]
         out = []
-        for cands, cand_ids, scores in zip(candidates, ids, self._backend(role).score(slots, prompts, ids)):
+        scored = self._backend(role).score([e.state["slot"] for e in episodes], prompts, ids)
+        for e, cands, cand_ids, scores in zip(episodes, candidates, ids, scored):
             logp = torch.log_softmax(scores / (1.0 if self._greedy else self.temperature), dim=-1)
-            k = int(logp.argmax()) if self._greedy else int(torch.multinomial(logp.exp(), 1, generator=self._generator))
+            k = int(logp.argmax()) if self._greedy else int(torch.multinomial(logp.exp(), 1, generator=e.generator))
             out.append((cands[k], float(logp[k]), len(cand_ids[k])))
         return out
 
-    def decide(self, episodes: list, greedy: bool, generator: torch.Generator | None, slots: list[int]) -> list[Decision]:
-        self._greedy, self._generator = greedy, generator
+    def decide(self, episodes: list, greedy: bool, slots: list[int]) -> list[Decision]:
+        self._greedy = greedy
         for s, e in zip(slots, episodes):
             if not e.state:
                 e.state.update(done=[], subtask=None, progress=NONE, last=NONE, steps=0, index=-1)
@@ -90,18 +92,18 @@ class HierarchicalAgent:
             texts = [self.prompts.high(e.traj.instruction, e.state["done"], e.state["last"], e.observations[-1]) for _, e in planning]
             prompts = [self._prompt(t) for t in texts]
             if self.high_mode == "admissible":
-                chosen = self._choose("high", [s for s, _ in planning], prompts, [self.subtasks] * len(planning))
+                chosen = self._choose("high", [e for _, e in planning], prompts, [self.subtasks] * len(planning))
             else:
-                chosen = self._write("high", [s for s, _ in planning], prompts, self.max_new_tokens)
+                chosen = self._write("high", [e for _, e in planning], prompts, self.max_new_tokens)
             for (s, e), prompt, (subtask, _, n) in zip(planning, prompts, chosen):
                 e.state.update(subtask=subtask or NONE, progress=NONE, steps=0, index=e.state["index"] + 1)
                 high_cost[s] = (len(prompt), n)
                 self._count(e.traj.trajectory_id, "high", len(prompt), n)
         prompts = [self._prompt(self.prompts.low(e.state["subtask"], e.observations[-1], e.state["progress"])) for e in episodes]
         if self.mode == "admissible":
-            chosen = self._choose("low", slots, prompts, [[low_output(a, f) for a in e.admissible for f in (False, True)] for e in episodes])
+            chosen = self._choose("low", episodes, prompts, [[low_output(a, f) for a in e.admissible for f in (False, True)] for e in episodes])
         else:
-            chosen = self._write("low", slots, prompts, self.max_new_tokens)
+            chosen = self._write("low", episodes, prompts, self.max_new_tokens)
         decisions = []
         for s, e, prompt, (output, logp, n) in zip(slots, episodes, prompts, chosen):
             self._count(e.traj.trajectory_id, "low", len(prompt), n)
@@ -119,7 +121,7 @@ class HierarchicalAgent:
             texts = [self.prompts.progress_state(e.state["subtask"], e.state["progress"], s.action or s.output, s.next_observation)
                      for e, s in zip(episodes, steps)]
             prompts = [self._prompt(t) for t in texts]
-            written = self._write("progress", [e.state["slot"] for e in episodes], prompts, self.progress_tokens)
+            written = self._write("progress", episodes, prompts, self.progress_tokens)
         else:
             written, prompts = [(NONE, 0.0, 0)] * len(episodes), [[]] * len(episodes)
         for e, step, prompt, (progress, _, n) in zip(episodes, steps, prompts, written):

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from qevolve.models.base import causal_lm
+from qevolve.models.device import placement
 
 
 class RolloutBackend(Protocol):
@@ -28,14 +29,23 @@ class RolloutBackend(Protocol):
 
     def generate(
         self, slots: list[int], prompts: list[list[int]], *, max_new_tokens: int, stop: "StopRule",
-        greedy: bool, temperature: float, generator: torch.Generator | None,
+        greedy: bool, temperature: float, seeds: list[int] | None,
     ) -> list[tuple[list[int], float]]:
-        """(new tokens, their summed log-prob) per prompt; each stops where `stop` says."""
+        """(new tokens, their summed log-prob) per prompt; each stops where `stop` says. Sampled (not
+        `greedy`) prompt b draws from its own stream seeded by `seeds[b]`, whatever it is batched with."""
+
+    def placement(self) -> dict:
+        """Where the passes run, for a stage's metrics."""
 
 
 class StopRule(Protocol):
     def __call__(self, tokens: list[int]) -> bool:
         """True once the generated `tokens` are complete."""
+
+
+def seeds_from(generators: list[torch.Generator] | None) -> list[int] | None:
+    """One seed for a backend call from each episode's generator (None: greedy, nothing drawn)."""
+    return None if generators is None else [int(torch.randint(2**62, (1,), generator=g)) for g in generators]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -72,6 +82,10 @@ class HFBackend:
         ids, kv = self._cache[slot]
         n = min(_common_prefix(ids, prompt), len(prompt) - 1)
         return (n, kv) if n > 0 else (0, None)
+
+    def placement(self) -> dict:
+        """Where the passes run (`qevolve.models.device.placement`), for a stage's metrics."""
+        return placement(self.model)
 
     def forget(self, slot: int | None = None) -> None:
         """Drop one slot's cache, or every slot's."""
@@ -174,8 +188,9 @@ class HFBackend:
     @torch.no_grad()
     def generate(
         self, slots: list[int], prompts: list[list[int]], *, max_new_tokens: int, stop: StopRule,
-        greedy: bool, temperature: float, generator: torch.Generator | None = None,
+        greedy: bool, temperature: float, seeds: list[int] | None = None,
     ) -> list[tuple[list[int], float]]:
+        generators = None if greedy else [torch.Generator().manual_seed(seed) for seed in seeds]
         hidden, layout, cache, valid = self._forward(slots, prompts, [[] for _ in prompts])
         B = len(prompts)
         last = self.head(torch.stack([hidden[b, s - 1] for b, (s, _) in enumerate(layout)]))  # (B, V)
@@ -185,8 +200,12 @@ class HFBackend:
         running = [True] * B
         for _ in range(max_new_tokens):
             logp = torch.log_softmax(last.float() / (1.0 if greedy else temperature), dim=-1)
-            # Sampled on the CPU with the caller's (CPU) generator: the same draws on any device.
-            nxt = logp.argmax(-1) if greedy else torch.multinomial(logp.exp().cpu(), 1, generator=generator)[:, 0]
+            # Sampled on the CPU, each row from its own generator: the same draws on any device and in any batch.
+            if greedy:
+                nxt = logp.argmax(-1)
+            else:
+                probs = logp.exp().cpu()
+                nxt = torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])
             chosen = logp.gather(-1, nxt.to(self.device)[:, None])[:, 0].tolist()
             nxt_list = nxt.tolist()
             for b in range(B):

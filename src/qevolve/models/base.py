@@ -179,14 +179,25 @@ def _source(base_dir: Path | str) -> str:
 
 
 def load_tokenizer(base_dir: Path | str):
-    """The base model's tokenizer alone."""
+    """The base model's tokenizer alone, as `load_base` prepares it (chat template and pad token)."""
     from transformers import AutoTokenizer
 
     source = _source(base_dir)
     try:
-        return AutoTokenizer.from_pretrained(source)
+        return _chat_ready(AutoTokenizer.from_pretrained(source))
     except OSError as err:
         raise ModelLoadError(f"model.base: cannot load the tokenizer of {source!r}: {err}") from None
+
+
+def _chat_ready(tok):
+    """A tokenizer without a chat template gets the project's (and its special tokens); one without a pad
+    token pads with its end-of-sequence token."""
+    if tok.chat_template is None:
+        tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+        tok.chat_template = CHAT_TEMPLATE
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
 
 
 def load_base(base_dir: Path | str, dtype: str = "auto", device: str = "auto"):
@@ -207,11 +218,7 @@ def load_base(base_dir: Path | str, dtype: str = "auto", device: str = "auto"):
             f"model.base: the tokenizer at {source!r} has {len(tok)} tokens but the model's embedding has {rows} rows; "
             "the tokenizer does not belong to this model"
         )
-    if tok.chat_template is None:
-        tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
-        tok.chat_template = CHAT_TEMPLATE
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
+    tok = _chat_ready(tok)
     if len(tok) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tok))
     return model.to(where), tok

@@ -20,7 +20,7 @@ import torch
 
 from qevolve.config import ModelConfig
 from qevolve.errors import artifact
-from qevolve.models.backend import HFBackend, RolloutBackend
+from qevolve.models.backend import HFBackend, RolloutBackend, seeds_from
 from qevolve.models.base import load_base
 from qevolve.models.prompt import PromptBuilder, format_action, parse_action
 
@@ -99,15 +99,40 @@ def use_adapter(model, name: str) -> None:
         p.requires_grad_(True)
 
 
-def rollout_backend(params, base_dir: Path, policy_dir: Path, model, tokenizer) -> RolloutBackend:
-    """What a rollout stage's actor runs on (`policy.backend`): `HFBackend` on the loaded policy `model`, or
-    vLLM with the adapter at `policy_dir` (scoring, in admissible mode, on `HFBackend`)."""
+def rollout_backend(params, base_dir: Path, policy_dir: Path) -> tuple[RolloutBackend, object]:
+    """(backend, tokenizer) for a rollout stage's actor: `local_backend` on the policy loaded here, or with
+    `policy.replicas`, Ray actors that each load it (`qevolve.models.ray_policy`)."""
+    if params.policy.replicas:
+        from qevolve.models.base import load_tokenizer
+        from qevolve.models.ray_policy import RayPolicyBackend
+
+        return RayPolicyBackend(params, base_dir, policy_dir), load_tokenizer(base_dir)
+    model, tok = load_policy(base_dir, params.model, adapter=policy_dir)
+    return local_backend(params, base_dir, policy_dir, model, tok), tok
+
+
+def local_backend(params, base_dir: Path, policy_dir: Path, model, tokenizer) -> RolloutBackend:
+    """`policy.backend` in this process: `HFBackend` on the loaded policy `model`, or vLLM with the adapter at
+    `policy_dir` (scoring, in admissible mode, on `HFBackend`)."""
     hf = HFBackend(model.eval(), tokenizer.pad_token_id)
     if params.policy.backend == "hf":
         return hf
     from qevolve.models.vllm_backend import vllm_backend
 
     return vllm_backend(base_dir, policy_dir, params.model, hf if params.policy.action_mode == "admissible" else None)
+
+
+class ActionLineStop:
+    """`Actor`'s stop rule: a turn ends at the chat template's end-of-turn marker or with its `Action:`
+    line. A plain object, so that it can be sent to policy replicas."""
+
+    def __init__(self, tokenizer, end: list[int]):
+        self.tok, self.end = tokenizer, end
+
+    def __call__(self, tokens: list[int]) -> bool:
+        if tokens[-len(self.end) :] == self.end:
+            return True
+        return bool(_ACTION_LINE.search(self.tok.decode(tokens, skip_special_tokens=True)))
 
 
 @dataclass
@@ -125,21 +150,23 @@ class Actor:
     """Chooses the next assistant turn for a batch of episodes.
 
     `slots` name where each episode runs (a rollout slot), so the backend can keep its KV cache from
-    one turn to the next; `reuse_cache=False` re-encodes every prompt in full (the baseline)."""
+    one turn to the next; `reuse_cache=False` re-encodes every prompt in full (the baseline). `model` may
+    be None when a `backend` is given."""
 
     def __init__(self, model, tokenizer, builder: PromptBuilder, mode: str, temperature: float, max_new_tokens: int, reuse_cache: bool = True,
                  backend: RolloutBackend | None = None):
-        self.tok, self.builder = tokenizer, builder
+        self.model, self.tok, self.builder = model, tokenizer, builder
         self.mode, self.temperature, self.max_new_tokens = mode, temperature, max_new_tokens
         self.backend: RolloutBackend = backend or HFBackend(model.eval(), tokenizer.pad_token_id, reuse=reuse_cache)
-        self._end = builder.end_ids or [tokenizer.eos_token_id]
+        self.stop = ActionLineStop(tokenizer, builder.end_ids or [tokenizer.eos_token_id])
 
-    def decide(self, episodes: list, greedy: bool, generator: torch.Generator | None, slots: list[int]) -> list[Decision]:
+    def decide(self, episodes: list, greedy: bool, slots: list[int]) -> list[Decision]:
         """The next turn of each episode (`qevolve.rollout`'s: instruction, observations and outputs so
-        far, valid actions), from its whole history as one chat (truncated to the context budget)."""
+        far, valid actions, its generator), from its whole history as one chat (truncated to the context budget)."""
         reserve = self.max_new_tokens if self.mode == "free" else 0  # room for the generated turn
         prompts = [self.builder.prompt(e.traj.instruction, e.observations, e.outputs, reserve) for e in episodes]
-        decisions = self.act(prompts, [e.admissible for e in episodes], greedy, generator, slots=slots)
+        generators = None if greedy else [e.generator for e in episodes]
+        decisions = self.act(prompts, [e.admissible for e in episodes], greedy, generators, slots=slots)
         for d, p in zip(decisions, prompts):
             d.prompt_tokens = len(p)
         return decisions
@@ -153,34 +180,29 @@ class Actor:
 
     def act(
         self, prompts: list[list[int]], admissible: list[list[str]], greedy: bool,
-        generator: torch.Generator | None = None, slots: list[int] | None = None,
+        generators: list[torch.Generator] | None = None, slots: list[int] | None = None,
     ) -> list[Decision]:
+        """`generators`: one per prompt, what it samples from (not needed when `greedy`)."""
         slots = list(range(len(prompts))) if slots is None else slots
         if self.mode == "admissible":
-            return self._choose(slots, prompts, admissible, greedy, generator)
-        return self._generate(slots, prompts, greedy, generator)
+            return self._choose(slots, prompts, admissible, greedy, generators)
+        return self._generate(slots, prompts, greedy, generators)
 
-    def _choose(self, slots, prompts, admissible, greedy, generator) -> list[Decision]:
+    def _choose(self, slots, prompts, admissible, greedy, generators) -> list[Decision]:
         cand_ids = [[self.builder.action_ids(format_action(a)) for a in acts] for acts in admissible]
         scores = self.backend.score(slots, prompts, cand_ids)
         decisions = []
-        for acts, ids, s in zip(admissible, cand_ids, scores):
+        for b, (acts, ids, s) in enumerate(zip(admissible, cand_ids, scores)):
             temperature = 1.0 if greedy else self.temperature
             logp = torch.log_softmax(s / temperature, dim=-1)
-            k = int(logp.argmax()) if greedy else int(torch.multinomial(logp.exp(), 1, generator=generator))
+            k = int(logp.argmax()) if greedy else int(torch.multinomial(logp.exp(), 1, generator=generators[b]))
             decisions.append(Decision(format_action(acts[k]), float(logp[k]), len(ids[k])))
         return decisions
 
-    def stop(self, tokens: list[int]) -> bool:
-        """A turn ends at the chat template's end-of-turn marker or with its `Action:` line."""
-        if tokens[-len(self._end) :] == self._end:
-            return True
-        return bool(_ACTION_LINE.search(self.tok.decode(tokens, skip_special_tokens=True)))
-
-    def _generate(self, slots, prompts, greedy, generator) -> list[Decision]:
+    def _generate(self, slots, prompts, greedy, generators) -> list[Decision]:
         out = self.backend.generate(
             slots, prompts, max_new_tokens=self.max_new_tokens, stop=self.stop, greedy=greedy,
-            temperature=self.temperature, generator=generator,
+            temperature=self.temperature, seeds=None if greedy else seeds_from(generators),
         )
         return [Decision(self.tok.decode(toks, skip_special_tokens=True).strip(), logp, len(toks)) for toks, logp in out]
 
@@ -194,7 +216,7 @@ class BestOfN(Actor):
         super().__init__(model, tokenizer, builder, "admissible", temperature, 1)
         self.critic, self.n, self.batch_size, self.generator = critic, n, batch_size, generator
 
-    def act(self, prompts, admissible, greedy, generator=None, slots=None) -> list[Decision]:
+    def act(self, prompts, admissible, greedy, generators=None, slots=None) -> list[Decision]:
         slots = list(range(len(prompts))) if slots is None else slots
         cand_ids = [[self.builder.action_ids(format_action(a)) for a in acts] for acts in admissible]
         scores = self.backend.score(slots, prompts, cand_ids)

@@ -2,8 +2,8 @@
 
 vLLM generates the turns, with the stage's adapter directory as the LoRA request (the adapter DVC tracks
 is what vLLM loads; nothing is merged or exported) and its prefix cache in place of `HFBackend`'s per-slot
-KV cache. Each prompt is sampled with its own seed, drawn from the stage's generator, so a stage's draws
-do not depend on how vLLM batches them. A turn ends where the actor's stop rule says: vLLM generates up to
+KV cache. Each prompt is sampled with its own seed (from its episode's generator), so a stage's draws do
+not depend on how vLLM batches them. A turn ends where the actor's stop rule says: vLLM generates up to
 `max_new_tokens` (or its end-of-sequence token) and the tokens after the first prefix that `stop` accepts
 are dropped, their log-probs with them. Log-probs are the sampling distribution's (`processed_logprobs`,
 after the temperature), as `HFBackend` reports them.
@@ -38,14 +38,17 @@ class VLLMBackend:
             raise ValueError("policy.backend vllm generates only; admissible scoring runs on the HF backend (`scorer`)")
         return self.scorer.score(slots, prompts, candidates)
 
+    def placement(self) -> dict:
+        """vLLM's engine, and where the scorer (if any) runs."""
+        return {"backend": "vllm", **(self.scorer.placement() if self.scorer else {})}
+
     def forget(self, slot: int | None = None) -> None:
         """Nothing is kept per slot (vLLM's prefix cache is keyed by content)."""
 
     def generate(self, slots: list[int], prompts: list[list[int]], *, max_new_tokens: int, stop: StopRule, greedy: bool,
-                 temperature: float, generator: torch.Generator | None = None) -> list[tuple[list[int], float]]:
-        seeds = [None if greedy else int(torch.randint(2**31 - 1, (1,), generator=generator)) for _ in prompts]
-        params = [self.sampling_params(max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature, seed=seed, logprobs=0)
-                  for seed in seeds]
+                 temperature: float, seeds: list[int] | None = None) -> list[tuple[list[int], float]]:
+        params = [self.sampling_params(max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
+                                       seed=None if greedy else seeds[b], logprobs=0) for b in range(len(prompts))]
         outputs = self.engine.generate([{"prompt_token_ids": list(p)} for p in prompts], params, lora_request=self.lora_request, use_tqdm=False)
         results = []
         for out in outputs:

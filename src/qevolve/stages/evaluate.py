@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from qevolve.config import Params
-from qevolve.models.policy import Actor, load_policy, rollout_backend
+from qevolve.models.policy import Actor, rollout_backend
 from qevolve.models.prompt import make_builder
 from qevolve.rollout import play_splits
 
@@ -16,10 +16,10 @@ def evaluate(params: Params, base_dir: Path, policy_dir: Path, out: Path, metric
     """Greedy episodes on each configured split. `env_steps_path` is the metrics file with the cumulative
     env steps spent to train this policy (experts, then every collect), reported beside each split."""
     torch.manual_seed(params.evaluate.seed)
-    model, tok = load_policy(base_dir, params.model, adapter=policy_dir)
+    backend, tok = rollout_backend(params, base_dir, policy_dir)
     # Greedy: `policy.temperature` (collection's) plays no part; the recorded log-probs are the model's own.
-    actor = Actor(model, tok, make_builder(params, tok, policy_dir), params.policy.action_mode, 1.0, params.policy.max_new_tokens,
-                  backend=rollout_backend(params, base_dir, policy_dir, model, tok))
+    actor = Actor(None, tok, make_builder(params, tok, policy_dir), params.policy.action_mode, 1.0, params.policy.max_new_tokens,
+                  backend=backend)
     return play_splits(params, actor, out, metrics_path, f"policy@{iteration}", env_steps_path)
 
 

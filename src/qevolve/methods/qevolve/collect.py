@@ -11,8 +11,7 @@ from qevolve.data.atomic import write_json
 from qevolve.data.store import write_store
 from qevolve.envs import make_env, select_tasks
 from qevolve.envs.base import check_env_failures, env_failures
-from qevolve.models.device import placement
-from qevolve.models.policy import Actor, load_policy, rollout_backend
+from qevolve.models.policy import Actor, rollout_backend
 from qevolve.models.prompt import make_builder
 from qevolve.rollout import collection_metrics, play_in
 
@@ -24,9 +23,9 @@ def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics
     count so far."""
     cfg = params.collect
     torch.manual_seed(cfg.seed + iteration)
-    model, tok = load_policy(base_dir, params.model, adapter=policy_dir)
-    actor = Actor(model, tok, make_builder(params, tok, policy_dir), params.policy.action_mode, params.policy.temperature, params.policy.max_new_tokens,
-                  backend=rollout_backend(params, base_dir, policy_dir, model, tok))
+    backend, tok = rollout_backend(params, base_dir, policy_dir)
+    actor = Actor(None, tok, make_builder(params, tok, policy_dir), params.policy.action_mode, params.policy.temperature, params.policy.max_new_tokens,
+                  backend=backend)
     tasks = select_tasks(make_env(params.env), cfg.split, params.env, cfg.num_tasks, cfg.seed + iteration)
     trajs = play_in(
         params.env, [t for t in tasks for _ in range(cfg.samples_per_task)], actor, greedy=False,
@@ -36,7 +35,7 @@ def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics
     trajs, _ = check_env_failures(trajs, params.env.max_failure_ratio, f"collect@{iteration}")
     write_store(out, trajs)
     metrics = {
-        **placement(model),
+        **backend.placement(),
         "truncated_observations": len(actor.builder.truncated),
         **collection_metrics(trajs, len(tasks), failures, previous_metrics),
     }

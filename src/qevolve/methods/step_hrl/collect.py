@@ -15,7 +15,6 @@ from qevolve.envs import make_env, select_tasks
 from qevolve.envs.base import check_env_failures, env_failures
 from qevolve.hierarchy.roles import ROLES, transitions
 from qevolve.methods.step_hrl.shared import COLLECTED, make_agent
-from qevolve.models.device import placement
 from qevolve.rollout import collection_metrics, play_in
 
 EPISODES = "episodes"
@@ -42,7 +41,7 @@ def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics
         write_store(tmp / EPISODES, trajs)
         write_transitions(tmp / COLLECTED, sets, lambda text: len(agent.tok.encode(text, add_special_tokens=False)))
     metrics = {
-        **placement(agent.backend.model),
+        **agent.backend.placement(),
         "truncated_observations": len(agent.builder.truncated),
         **collection_metrics(trajs, len(tasks), failures, previous_metrics),
         **{f"{role}_transitions": len(rows) for role, rows in sets.items()},

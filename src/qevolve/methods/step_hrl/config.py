@@ -91,4 +91,7 @@ def check(params) -> None:
     if params.method == "step_hrl" and params.step_hrl.adapters == "separate" and params.train.shard:
         raise ValueError("step_hrl.adapters: `separate` runs each role's outputs through its own adapter, a different number of "
                          "passes per process, which sharded training (train.shard) cannot do; use `shared` or train.shard: false")
+    if params.method == "step_hrl" and (params.policy.backend != "hf" or params.policy.replicas):
+        raise ValueError("policy.backend / policy.replicas: STEP-HRL's hierarchical agent plays its three roles in the stage's "
+                         "process on the HF backend; use policy.backend: hf and policy.replicas: 0")
 
