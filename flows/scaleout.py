@@ -18,6 +18,11 @@ orchestrator, the only writer of its dvc.lock, then restores the stage from the 
 command runs, and its dvc.lock entry is the one a local run writes. The worker's code must be the
 orchestrator's (checked before anything runs): DVC keys the run cache by it.
 
+A worker's machine can die mid-stage, leaving its flow run Running with nobody to end it. Its runs send a
+heartbeat every `--heartbeat` seconds, and `deploy` installs a Prefect automation that marks a stage run
+Crashed once its heartbeats have stopped for `--silence` seconds; the orchestrator waiting on it then stops
+with that state, and a rerun of the evolution starts a new attempt.
+
     python -m flows.scaleout deploy gpu        # the `qevolve-stage/gpu` deployment, on work pool `gpu`
     prefect worker start --pool gpu            # on each machine of the pool, in this project's environment
 """
@@ -196,12 +201,48 @@ def remote_stage(stage: str, iteration: int | None, files: dict[str, str], code:
     return {"stage": name, "ran": True, "compute_s": result["compute_s"]}
 
 
+def crash_silent_runs(silence_s: int) -> None:
+    """The automation (one per Prefect server, replaced when deployed again) that marks a `qevolve-stage`
+    flow run Crashed when no heartbeat and no final state follows its start or its last heartbeat within
+    `silence_s` (Prefect's zombie-flow recipe, scoped to the stage flow and counted from the start too)."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    name = f"{DEPLOYMENT}: crash runs whose heartbeats stopped"
+    try:
+        Automation.read(name=name).delete()
+    except ValueError:  # none yet
+        pass
+    Automation(
+        name=name,
+        trigger=EventTrigger(
+            # From the run's start too: a worker killed before the run's first heartbeat reached the server.
+            after={"prefect.flow-run.Running", "prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", *(f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed"))},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            match_related=ResourceSpecification({"prefect.resource.role": "flow", "prefect.resource.name": DEPLOYMENT}),
+            for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1, within=timedelta(seconds=silence_s),
+        ),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED, message=f"no heartbeat for {silence_s} s: its worker is gone")],
+    ).create()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Deploy the stage flow on a Prefect work pool (see this module's docstring).")
     sub = parser.add_subparsers(dest="command", required=True)
     deploy = sub.add_parser("deploy", help=f"create or update the deployment {DEPLOYMENT}/POOL")
     deploy.add_argument("pool", help="the work pool (created as a process pool if missing)")
+    deploy.add_argument("--heartbeat", type=int, default=30, help="seconds between a stage run's heartbeats (at least 30; default 30)")
+    deploy.add_argument("--silence", type=int, default=120,
+                        help="seconds without a heartbeat after which a stage run is marked Crashed (default 120)")
     args = parser.parse_args(argv)
+    if args.heartbeat < 30 or args.silence <= args.heartbeat:
+        parser.error("--heartbeat: at least 30 s (Prefect's minimum), and --silence longer than it")
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectAlreadyExists
@@ -212,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         except ObjectAlreadyExists:
             pass
     remote_stage.from_source(source=str(ROOT), entrypoint="flows/scaleout.py:remote_stage").deploy(
-        name=args.pool, work_pool_name=args.pool, print_next_steps=False)
+        name=args.pool, work_pool_name=args.pool, print_next_steps=False,
+        job_variables={"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(args.heartbeat)}})
+    crash_silent_runs(args.silence)
     print(f"deployed {DEPLOYMENT}/{args.pool}; start its worker with: prefect worker start --pool {args.pool}")
     return 0
 

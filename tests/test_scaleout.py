@@ -108,8 +108,20 @@ def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_fro
                                           api.split(":")[2].split("/")[0]], server_env, url=f"{api}/health")
 
     server = start_prefect()
-    subprocess.run([sys.executable, "-m", "flows.scaleout", "deploy", "gpu"], cwd=REPO, env=env, check=True, capture_output=True, timeout=300)
-    services.start("worker", [str(BIN / "prefect"), "worker", "start", "--pool", "gpu"], {**env, "QEVOLVE_WORKER_DIR": str(tmp_path / "worker")})
+    subprocess.run([sys.executable, "-m", "flows.scaleout", "deploy", "gpu", "--silence", "45"], cwd=REPO, env=env, check=True,
+                   capture_output=True, timeout=300)
+    worker_env = {**env, "QEVOLVE_WORKER_DIR": str(tmp_path / "worker")}
+    worker = services.start("worker", [str(BIN / "prefect"), "worker", "start", "--pool", "gpu"], worker_env)
+
+    def evolving():
+        return subprocess.Popen([sys.executable, "-m", "flows.evolve", "--root", str(a)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    def until_bc_starts(attempt, log: str, count: int) -> None:
+        deadline = time.time() + 600
+        while (tmp_path / log).read_text().count("Beginning subflow run 'bc'") < count and time.time() < deadline:
+            assert attempt.poll() is None, attempt.communicate()[0][-3000:]
+            time.sleep(0.2)
 
     remote = {"url": "s3://qevolve/dvc", "endpointurl": s3}
     a = _workspace(tmp_path / "a", tmp_path, {"remote": remote, "pools": {"bc": "gpu"}})
@@ -121,13 +133,20 @@ def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_fro
     assert failed.returncode != 0
     assert re.search(r"bc: its run on work pool 'gpu' ended Failed .*this worker's code .* is not the orchestrator's", failed.stdout + failed.stderr)
     edited.write_text(original)
+    # The worker's machine dies mid-stage (the worker and the stage's processes killed): its silent run is
+    # marked Crashed, and the orchestrator stops with that.
+    attempt = evolving()
+    until_bc_starts(attempt, "worker.log", 2)
+    import psutil
+
+    for proc in [*psutil.Process(worker.pid).children(recursive=True), psutil.Process(worker.pid)]:
+        proc.kill()
+    out = attempt.communicate(timeout=600)[0]
+    assert attempt.returncode != 0 and re.search(r"bc: its run on work pool 'gpu' ended Crashed .*no heartbeat for 45 s", out), out[-3000:]
+    services.start("worker2", [str(BIN / "prefect"), "worker", "start", "--pool", "gpu"], worker_env)
     # A new attempt (a new flow run on the pool); the Prefect server restarted while the worker runs bc.
-    attempt = subprocess.Popen([sys.executable, "-m", "flows.evolve", "--root", str(a)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 600
-    while (tmp_path / "worker.log").read_text().count("Beginning subflow run 'bc'") < 2 and time.time() < deadline:
-        assert attempt.poll() is None, attempt.communicate()[0][-3000:]
-        time.sleep(0.2)
+    attempt = evolving()
+    until_bc_starts(attempt, "worker2.log", 1)
     os.killpg(server.pid, 15)
     server.wait(30)
     server = start_prefect()
@@ -146,8 +165,8 @@ def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_fro
         deployment = client.read_deployment_by_name("qevolve-stage/gpu")
         runs = [r for r in client.read_flow_runs() if r.deployment_id == deployment.id]
     runs = sorted(runs, key=lambda r: r.start_time)
-    assert [(r.name, r.state.type.value) for r in runs] == [("bc", "FAILED"), ("bc", "COMPLETED")]
-    assert runs[1].parent_task_run_id is not None  # a sub-flow of the evolution, in the Prefect UI
+    assert [(r.name, r.state.type.value) for r in runs] == [("bc", "FAILED"), ("bc", "CRASHED"), ("bc", "COMPLETED")]
+    assert runs[2].parent_task_run_id is not None  # a sub-flow of the evolution, in the Prefect UI
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{a / 'mlflow.db'}")
@@ -155,7 +174,7 @@ def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_fro
     lock = yaml.safe_load((a / "dvc.lock").read_text())["stages"]
     # The MLflow run joins the Prefect flow run that computed bc, where, and the content hash DVC records.
     assert "bc/loss" in parent.data.metrics and parent.data.tags["qevolve.git_commit"]
-    assert parent.data.tags["qevolve.pool.bc"] == "gpu" and parent.data.tags["qevolve.prefect_flow_run.bc"] == str(runs[1].id)
+    assert parent.data.tags["qevolve.pool.bc"] == "gpu" and parent.data.tags["qevolve.prefect_flow_run.bc"] == str(runs[2].id)
     assert parent.data.tags["qevolve.dvc.bc.models/bc"] == next(o["md5"] for o in lock["bc"]["outs"] if o["path"] == "models/bc")
 
     # A second clone, with its own DVC cache and no pool: every stage comes from the remote, none runs.

@@ -2,6 +2,7 @@
 never the run, and both serve the same trajectories."""
 
 import os
+import re
 import signal
 
 import pytest
@@ -33,18 +34,29 @@ def cfg(request):
     return CFG.model_copy(update={"worker": request.param})
 
 
-def _gone(worker) -> bool:
-    """Whether the worker's process (or actor) has ended."""
-    if isinstance(worker, EnvWorker):
-        return not worker.process.is_alive()
-    import ray
-    from ray.exceptions import RayActorError
+def _gone(worker, wait: float = 30) -> bool:
+    """Whether the worker's process (or actor) has ended, or ends within `wait` seconds (`ray.kill` and a
+    process's exit take effect asynchronously; on a loaded machine that can take seconds)."""
+    import time
 
-    try:
-        ray.get(worker.actor.pid.remote(), timeout=20)
-    except RayActorError:
-        return True
-    return False
+    deadline = time.time() + wait
+    while True:
+        if isinstance(worker, EnvWorker):
+            if not worker.process.is_alive():
+                return True
+        else:
+            import ray
+            from ray.exceptions import GetTimeoutError, RayActorError
+
+            try:
+                ray.get(worker.actor.pid.remote(), timeout=10)
+            except RayActorError:
+                return True
+            except GetTimeoutError:
+                pass
+        if time.time() >= deadline:
+            return False
+        time.sleep(0.5)
 
 
 def _rollout(cfg, tiny_tokenizer, sabotage, *, retries, episodes=4, ratio=0.0):
@@ -92,7 +104,8 @@ def test_a_hung_worker_is_killed_after_its_timeout_and_the_episode_restarted(cfg
 def test_without_retries_the_episode_is_recorded_as_failed_with_the_reason(cfg, tiny_tokenizer):
     trajs, _ = _rollout(cfg, tiny_tokenizer, lambda pid: os.kill(pid, signal.SIGKILL), retries=0, ratio=0.5)
     failed = [t for t in trajs if t.failure.startswith("env_error")]
-    assert len(failed) == 1 and "EnvWorkerError: environment " in failed[0].failure and "died during step" in failed[0].failure
+    # the kill lands while the step runs, or (on a loaded machine) before it is sent
+    assert len(failed) == 1 and re.search(r"EnvWorkerError: environment (worker \d+|actor) (died during step|is not running)", failed[0].failure)
     assert sum(t.failure == "max_steps" for t in trajs) == 3  # the others ran on
 
 
@@ -101,7 +114,7 @@ def test_worker_errors_name_the_call_and_environment_errors_pass_through(cfg):
     try:
         with pytest.raises(RuntimeError, match="unknown TextCraft goal 'minecraft:nothing'"):
             worker.reset(Task("minecraft:nothing", "train", "depth2"))
-        assert not _gone(worker)  # an error inside the environment does not end the worker
+        assert not _gone(worker, wait=0)  # an error inside the environment does not end the worker
         os.kill(worker.pid, signal.SIGSTOP)
         with pytest.raises(EnvWorkerError, match=r"step took longer than 3 s; killed it"):
             worker.step("inventory")
