@@ -155,7 +155,7 @@ class Actor:
 
     def __init__(self, model, tokenizer, builder: PromptBuilder, mode: str, temperature: float, max_new_tokens: int, reuse_cache: bool = True,
                  backend: RolloutBackend | None = None):
-        self.model, self.tok, self.builder = model, tokenizer, builder
+        self.tok, self.builder = tokenizer, builder
         self.mode, self.temperature, self.max_new_tokens = mode, temperature, max_new_tokens
         self.backend: RolloutBackend = backend or HFBackend(model.eval(), tokenizer.pad_token_id, reuse=reuse_cache)
         self.stop = ActionLineStop(tokenizer, builder.end_ids or [tokenizer.eos_token_id])
