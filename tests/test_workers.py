@@ -4,6 +4,7 @@ never the run, and both serve the same trajectories."""
 import os
 import re
 import signal
+import time
 
 import pytest
 
@@ -37,8 +38,6 @@ def cfg(request):
 def _gone(worker, wait: float = 30) -> bool:
     """Whether the worker's process (or actor) has ended, or ends within `wait` seconds (`ray.kill` and a
     process's exit take effect asynchronously; on a loaded machine that can take seconds)."""
-    import time
-
     deadline = time.time() + wait
     while True:
         if isinstance(worker, EnvWorker):
@@ -142,7 +141,8 @@ def test_ray_actors_serve_the_same_expert_trajectories_as_worker_processes(tmp_p
     assert len(trajectories["ray"]) == 6 and trajectories["ray"] == trajectories["process"]
 
 
-def test_where_environments_run_is_not_part_of_a_stages_lineage():
+@pytest.mark.parametrize("section, moved", [("env", {"worker": "ray", "ray_cpus": 1.0}), ("policy", {"replicas": 4, "replica_cpus": 2.0})])
+def test_where_environments_and_policy_replicas_run_is_not_part_of_a_stages_lineage(section, moved):
     import yaml
 
     from qevolve import dvcfile
@@ -150,9 +150,9 @@ def test_where_environments_run_is_not_part_of_a_stages_lineage():
     from tests.test_pipeline import REPO
 
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
-    moved = {**raw, "env": {**raw["env"], "worker": "ray", "ray_cpus": 1.0}}
-    assert dvcfile.render(parse_params(moved)) == dvcfile.render(parse_params(raw))
-    assert "- env.name" in dvcfile.render(parse_params(raw))  # the rest of the section stays a dep, key by key
+    spread = {**raw, section: {**raw[section], **moved}}
+    assert dvcfile.render(parse_params(spread)) == dvcfile.render(parse_params(raw))
+    assert f"- {section}." in dvcfile.render(parse_params(raw))  # the rest of the section stays a dep, key by key
 
 
 def test_policy_replicas_play_the_same_episodes_as_the_stages_process(tmp_path, tiny_base, ray_cluster):
@@ -184,15 +184,3 @@ def test_policy_replicas_play_the_same_episodes_as_the_stages_process(tmp_path, 
     ray.kill(backends[2][0].replicas[1])  # a dead replica fails the stage, naming it
     with pytest.raises(RuntimeError, match="policy replica 1 of 2 died during score"):
         backends[2][0].score([0, 1], [[1, 2], [1, 2]], [[[3]], [[3]]])
-
-
-def test_policy_replicas_are_not_part_of_a_stages_lineage():
-    import yaml
-
-    from qevolve import dvcfile
-    from qevolve.config import parse_params
-    from tests.test_pipeline import REPO
-
-    raw = yaml.safe_load((REPO / "params.yaml").read_text())
-    spread = {**raw, "policy": {**raw["policy"], "replicas": 4, "replica_cpus": 2.0}}
-    assert dvcfile.render(parse_params(spread)) == dvcfile.render(parse_params(raw))
