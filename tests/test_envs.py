@@ -11,13 +11,15 @@ from qevolve.envs.base import Task, splits_dir
 from qevolve.envs.webshop_data import write_synthetic
 
 
-def replay(env, task: Task, cap: int = 200):
-    """Play the environment's expert on `task`; the last step, the number of steps, whether all were valid."""
-    env.reset(task)
+def replay(env, task: Task, cap: int = 200, admissible: bool = False):
+    """Play the environment's expert on `task`; the last step, the number of steps, whether all were valid
+    (and, with `admissible`, each among the actions the environment listed before it)."""
+    listed = env.reset(task).admissible
     steps, valid, r = 0, True, None
     while (action := env.expert_action()) is not None and steps < cap:
+        valid = valid and (not admissible or action in listed)
         r = env.step(action)
-        steps, valid = steps + 1, valid and r.valid
+        steps, valid, listed = steps + 1, valid and r.valid, r.admissible
         if r.done:
             break
     return r, steps, valid
@@ -45,7 +47,8 @@ def test_textcraft_reset_step_rejection_and_success():
     env = textcraft.TextCraftEnv()
     first = env.reset(Task("minecraft:crafting_table", "train", "depth2"))
     assert first.instruction == "craft crafting table." and "craft 1 crafting table using 4 planks" in first.text
-    assert env.step("get 1 oak logs").observation == "Got 1 oak logs"
+    got = env.step("get 1 oak logs")
+    assert got.observation == "Got 1 oak logs"
     bad = [env.step(a) for a in ("craft 1 crafting table using 4 oak planks", "get 1 crafting table", "dance")]
     assert [s.valid for s in bad] == [False, False, False]
     env.step("craft 4 oak planks using 1 oak logs")
@@ -53,28 +56,42 @@ def test_textcraft_reset_step_rejection_and_success():
     assert done.won and done.done and done.reward == 1.0
 
 
+def test_textcraft_admissible_actions_come_from_the_listing_and_the_inventory():
+    env = textcraft.TextCraftEnv()
+    first = env.reset(Task("minecraft:crafting_table", "train", "depth2"))
+    listed = first.text.splitlines()[1:]
+    crafts = [a for a in first.admissible if a.startswith("craft ")]
+    assert len(crafts) == len(listed) and first.admissible[-1] == "inventory"
+    # nothing held: the tag `planks` stands for its shallowest member; a listed line without tags is shown as is
+    assert "craft 1 crafting table using 4 acacia planks" in crafts and "craft 4 oak planks using 1 oak logs" in crafts
+    assert "get 1 oak logs" in first.admissible and not any(a.startswith("get") and "planks" in a for a in first.admissible)
+    env.step("get 1 oak logs")
+    held = env.step("craft 4 oak planks using 1 oak logs").admissible
+    assert "craft 1 crafting table using 4 oak planks" in held  # the member held now names the tag
+
+
 def test_textcraft_planner_handles_tags_variants_and_shared_ingredients():
-    # sticks and the sign both need planks; the plan gathers both counts before crafting
+    # sticks and the sign both need planks: each craft fetches what it lacks, in the count its recipe uses
     assert textcraft.plan("minecraft:oak_sign") == [
-        "get 2 oak logs", "craft 4 oak planks using 1 oak logs", "craft 4 oak planks using 1 oak logs",
+        "get 1 oak logs", "craft 4 oak planks using 1 oak logs", "get 1 oak logs", "craft 4 oak planks using 1 oak logs",
         "get 2 bamboo", "craft 1 stick using 2 bamboo", "craft 3 oak sign using 6 oak planks, 1 stick",
     ]
     env = textcraft.TextCraftEnv()
     for goal in ("minecraft:crafting_table", "minecraft:red_banner", "minecraft:white_bed"):
-        r, _, valid = replay(env, Task(goal, "train", ""))
+        r, _, valid = replay(env, Task(goal, "train", ""), admissible=True)
         assert r.won and valid, goal
 
 
 def test_textcraft_planner_replays_a_sample_of_goals():
     env = textcraft.TextCraftEnv()
     tasks = textcraft.list_tasks("train")[::12]
-    assert all(replay(env, t)[0].won for t in tasks)
+    assert all(r.won and valid for r, _, valid in (replay(env, t, admissible=True) for t in tasks))
 
 
 @pytest.mark.slow
 def test_textcraft_planner_solves_every_goal():
     env = textcraft.TextCraftEnv()
-    results = [replay(env, t) for t in textcraft.list_tasks("train") + textcraft.list_tasks("test")]
+    results = [replay(env, t, admissible=True) for t in textcraft.list_tasks("train") + textcraft.list_tasks("test")]
     assert sum(r.won and valid for r, _, valid in results) == 419
 
 

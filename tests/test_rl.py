@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from qevolve.algos.rl import (
-    awr_loss, bppo_loss, clip_fraction, expectile_loss, gae_advantages, iql_losses, kl_to_reference, policy_loss, step_weights,
+    anchored_awr_loss, awac_kl_loss, awr_loss, bppo_loss, clip_fraction, expectile_loss, gae_advantages, iql_losses, kl_on_policy,
+    kl_to_reference, policy_loss, step_weights,
 )
 
 
@@ -144,3 +145,43 @@ def test_policy_loss_compositions():
     assert close(pg, -0.423588, tol=1e-5) and close(loss, 0.5 * pg + 0.1 * 0.25 * (1 - math.log(2)))
     with pytest.raises(ValueError, match="unknown algo"):
         policy_loss(*args, algo="ppo", **common)
+
+
+def test_anchored_awr_loss_hand_computed():
+    logp_data, adv_data = torch.tensor([-1.0, -2.0]), torch.tensor([0.1, -0.2])
+    logp_pi = torch.tensor([-0.5, -3.0], requires_grad=True)
+    adv_pi = torch.tensor([0.3, -0.1])
+    # beta 10: weights e^1 = 2.718282, e^-2 = 0.135335 (under the clip 20); AWR = (2.718282 * 1 + 0.135335 * 2) / 2 = 1.494476
+    # anchored = mean(0.3 * -0.5, -0.1 * -3) = (-0.15 + 0.3) / 2 = 0.075; loss = 1.494476 - 7 * 0.075 = 0.969476
+    loss, awr, anchored = anchored_awr_loss(logp_data, adv_data, logp_pi, adv_pi, beta=10.0, max_weight=20.0, lam=7.0)
+    assert close(awr, 1.494476) and close(anchored, 0.075) and close(loss, 0.969476)
+    # the anchored term's gradient is the score function: d loss / d logp(â) = -lam * A(â) / n = -7 * [0.3, -0.1] / 2
+    loss.backward()
+    assert close(logp_pi.grad, [-1.05, 0.35])
+    # relu: the negative A(â) drops out, anchored = -0.15 / 2 = -0.075, loss = 1.494476 + 0.525
+    loss, _, anchored = anchored_awr_loss(logp_data, adv_data, logp_pi, adv_pi, beta=10.0, max_weight=20.0, lam=7.0, relu=True)
+    assert close(anchored, -0.075) and close(loss, 2.019476)
+    # the clip: max_weight 2 caps e^1, AWR = (2 * 1 + 0.135335 * 2) / 2 = 1.135335; lam 0 leaves AWR alone
+    loss, awr, _ = anchored_awr_loss(logp_data, adv_data, logp_pi, adv_pi, beta=10.0, max_weight=2.0, lam=0.0)
+    assert close(awr, 1.135335) and close(loss, 1.135335)
+
+
+def test_kl_on_policy_hand_computed_and_unbiased():
+    # d = ref - policy = [log 0.5, 0]: k3 = (0.5 - 1 - log 0.5, 0) -> mean (0.193147 + 0) / 2 = 0.096574
+    assert close(kl_on_policy(torch.log(torch.tensor([0.8, 0.3])), torch.log(torch.tensor([0.4, 0.3]))), 0.096574)
+    # over all of a policy's outcomes, weighted by the policy: exactly KL(p || q)
+    p, q = torch.tensor([0.7, 0.2, 0.1]), torch.tensor([0.2, 0.5, 0.3])
+    d = q.log() - p.log()
+    assert close((p * (torch.exp(d) - 1 - d)).sum(), (p * (p / q).log()).sum())
+
+
+def test_awac_kl_loss_hand_computed():
+    logp, adv = torch.tensor([-1.0, -4.0]), torch.tensor([0.5, -0.5])
+    tok, ref = torch.log(torch.tensor([0.8, 0.3])), torch.log(torch.tensor([0.4, 0.3]))
+    # alpha 1: w = e^0.5 = 1.648721, e^-0.5 = 0.606531; weighted = (1.648721 + 4 * 0.606531) / 2 = 2.037426
+    # KL (k3) = 0.096574 (above); loss = 2.037426 + 0.02 * 0.096574 = 2.039357
+    loss, weighted, kl = awac_kl_loss(logp, adv, tok, ref, alpha=1.0, max_weight=20.0, eta=0.02)
+    assert close(weighted, 2.037426) and close(kl, 0.096574) and close(loss, 2.039357)
+    # the public code's first-order "KL": mean(log 0.8 - log 0.4, 0) = log 2 / 2 = 0.346574
+    _, _, kl = awac_kl_loss(logp, adv, tok, ref, alpha=1.0, max_weight=20.0, eta=0.02, first_order=True)
+    assert close(kl, 0.346574)

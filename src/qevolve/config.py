@@ -72,7 +72,7 @@ ENVIRONMENTS = {
     "alfworld": (("handcoded", "walkthrough"), True, ("train", "valid_seen", "valid_unseen", "valid_train")),
     "scienceworld": (("gold",), True, ("train", "valid_seen", "valid_unseen")),
     "webshop": (("gold",), True, ("train", "test")),
-    "textcraft": (("planner",), False, ("train", "test")),
+    "textcraft": (("planner",), True, ("train", "test")),
 }
 TEXTCRAFT_TYPES = ("depth2", "depth3", "depth4")
 """TextCraft's task types: the goals' crafting depth (`qevolve.envs.textcraft`). ScienceWorld's (task

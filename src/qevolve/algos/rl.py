@@ -133,3 +133,43 @@ def advantage_pg_loss(logp_new: torch.Tensor, advantages: torch.Tensor) -> torch
     """-mean(A * logp_new): what the public STEP-HRL code's actor minimises (raw, unclipped advantages, so a
     negative one pushes probability away), in place of the paper's AWR (`awr_loss`)."""
     return -(advantages.detach() * logp_new).mean()
+
+
+def anchored_awr_loss(
+    logp_data: torch.Tensor, adv_data: torch.Tensor, logp_pi: torch.Tensor, adv_pi: torch.Tensor, *, beta: float, max_weight: float,
+    lam: float, relu: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Multi²'s offline actor (arXiv 2606.03698): (loss, AWR term, anchored term), loss = AWR - lam * anchored.
+
+    AWR = -mean(min(exp(beta * A(o, a)), max_weight) * log pi(a | o)) over dataset actions a; anchored =
+    mean(A(o, â) * log pi(â | o)) over actions â the current policy sampled, scored by the critic: the
+    policy-anchored advantage E_{â~pi}[A(o, â)], whose gradient for text actions is the score function
+    E[A(o, â) grad log pi(â | o)]. Advantages get no gradient. `relu`: only positive A(o, â) count (the
+    public code's version of the term, which its release never runs)."""
+    weights = torch.exp(beta * adv_data).clamp(max=max_weight)
+    awr = -(weights.detach() * logp_data).mean()
+    anchor = (adv_pi.clamp(min=0) if relu else adv_pi).detach()
+    anchored = (anchor * logp_pi).mean()
+    return awr - lam * anchored, awr, anchored
+
+
+def kl_on_policy(logp_policy: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    """KL(policy || ref) estimated on tokens the policy sampled: the mean of k3 = r - 1 - log r with
+    r = ref/policy = exp(logp_ref - logp_policy) (non-negative, unbiased on the policy's own samples; the
+    form GRPO uses). `kl_to_reference` is the other direction, for tokens the reference sampled."""
+    d = logp_ref - logp_policy
+    return (torch.exp(d) - 1.0 - d).mean()
+
+
+def awac_kl_loss(
+    logp: torch.Tensor, adv: torch.Tensor, token_logp: torch.Tensor, token_logp_ref: torch.Tensor, *, alpha: float, max_weight: float,
+    eta: float, first_order: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Multi²'s online actor: (loss, weighted term, KL term), loss = -mean(w * log pi_on(a)) + eta * KL with
+    w = min(exp(A / alpha), max_weight) per action and the KL `kl_on_policy` over the actions' tokens against
+    the frozen offline policy. `first_order`: the public code's "KL", mean(log pi_on - log pi_off) on the
+    tokens (its gradient lowers every weight by eta: not a divergence)."""
+    weights = torch.exp(adv / alpha).clamp(max=max_weight)
+    weighted = -(weights.detach() * logp).mean()
+    kl = (token_logp - token_logp_ref).mean() if first_order else kl_on_policy(token_logp, token_logp_ref)
+    return weighted + eta * kl, weighted, kl

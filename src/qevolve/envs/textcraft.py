@@ -66,73 +66,99 @@ def _recipes_of(name: str) -> list:
     return tree.itemid_recipes.get(name) or tree.tag_recipes.get(name) or []
 
 
-def recipe_listing(goal: str, rng: random.Random) -> list[str]:
+def listed_recipes(goal: str, rng: random.Random) -> list:
     """The recipes of the goal's crafting tree, plus up to 10 distractor recipes that use the same
     ingredients, shuffled: what the package shows, built without mutating its tree."""
     tree = crafting_tree()
-    needed, seen, todo = [], set(), [goal]
+    needed, seen, todo = {}, set(), [goal]
     while todo:
         name = todo.pop()
         if name in seen:
             continue
         seen.add(name)
         for recipe in _recipes_of(name):
-            needed.append(recipe.recipe_str)
+            needed.setdefault(recipe.recipe_str, recipe)
             todo += [i.item_tag.name for i in recipe.input_items]
-    uses: dict[str, list[str]] = {}
+    uses: dict[str, dict] = {}
     for recipes in list(tree.itemid_recipes.values()) + list(tree.tag_recipes.values()):
         for r in recipes:
             for i in r.input_items:
-                uses.setdefault(i.item_tag.name, []).append(r.recipe_str)
-    listed = list(dict.fromkeys(needed))
-    distractors = sorted({d for name in seen for d in uses.get(name, [])} - set(listed))
-    listed += rng.sample(distractors, min(len(distractors), MAX_DISTRACTORS))
+                uses.setdefault(i.item_tag.name, {})[r.recipe_str] = r
+    others = {text: r for name in seen for text, r in uses.get(name, {}).items() if text not in needed}
+    listed = list(needed.values()) + [others[text] for text in rng.sample(sorted(others), min(len(others), MAX_DISTRACTORS))]
     rng.shuffle(listed)
     return listed
 
 
+def recipe_listing(goal: str, rng: random.Random) -> list[str]:
+    return [r.recipe_str for r in listed_recipes(goal, rng)]
+
+
+def _concrete(tag, inventory: Counter) -> str:
+    """The item a recipe's ingredient stands for: itself, or for a tag (`planks`) the member already held,
+    else the member with the shallowest tree."""
+    if tag.item_id is not None:
+        return tag.item_id
+    tree = crafting_tree()
+    members = sorted(tree.get_items_with_tags(tag.tag))
+    if not members:
+        raise PlanError(f"no item has tag {tag.tag}")
+    return max(members, key=lambda m: (inventory[m] > 0, -tree.get_min_depth(m)))
+
+
+def _inputs(recipe, inventory: Counter) -> list[tuple[str, int]]:
+    return [(_concrete(i.item_tag, inventory), i.count) for i in recipe.input_items]
+
+
+def _craft(recipe, inventory: Counter) -> str:
+    """The command that makes `recipe` from what is held (tagged ingredients named by their member)."""
+    out = recipe.output_item
+    return f"craft {out.count} {_name(out.item_tag.name)} using " + ", ".join(f"{c} {_name(x)}" for x, c in _inputs(recipe, inventory))
+
+
+def _is_base(item: str) -> bool:
+    return not crafting_tree().itemid_recipes.get(item)
+
+
+def admissible_actions(recipes: list, inventory: Counter) -> list[str]:
+    """The actions a listing offers, given what is held: every listed recipe as a craft command (tagged
+    ingredients named by their member), `get <n> <item>` for each base ingredient in the count a listed
+    recipe uses, and `inventory`. The expert's plan (`plan`) only takes actions from this list."""
+    crafts = [_craft(r, inventory) for r in recipes]
+    gets = sorted({f"get {c} {_name(x)}" for r in recipes for x, c in _inputs(r, inventory) if _is_base(x)})
+    return [*dict.fromkeys(crafts), *gets, "inventory"]
+
+
 def plan(goal: str) -> list[str]:
-    """Actions that craft `goal` from nothing: fetch each base ingredient in one go, craft bottom-up, a
-    recipe as many times as the count needs. Each recipe is the one with the shallowest tree; a tagged ingredient (`planks`) becomes the member already held,
-    else the member with the shallowest tree. Counts follow each recipe's output count."""
+    """Actions that craft `goal` from nothing, bottom-up, one craft at a time: before each craft, whatever
+    of its inputs is missing is made or fetched, a base ingredient in the count the recipe uses (a `get`
+    the admissible list offers). Each recipe is the one with the shallowest tree; a tagged ingredient
+    (`planks`) becomes the member already held, else the member with the shallowest tree."""
     tree = crafting_tree()
     inventory: Counter[str] = Counter()
     actions: list[str] = []
 
-    def concrete(tag) -> str:
-        if tag.item_id is not None:
-            return tag.item_id
-        members = sorted(tree.get_items_with_tags(tag.tag))
-        if not members:
-            raise PlanError(f"no item has tag {tag.tag}")
-        return max(members, key=lambda m: (inventory[m] > 0, -tree.get_min_depth(m)))
-
     def obtain(name: str, count: int, depth: int = 0) -> None:
         if depth > 12:
             raise PlanError(f"recipe tree of {goal} deeper than 12 at {name}")
-        if inventory[name] >= count:
+        if _is_base(name):
+            if inventory[name] < count:
+                actions.append(f"get {count} {_name(name)}")
+                inventory[name] += count
             return
-        need = count - inventory[name]
-        recipes = tree.itemid_recipes.get(name)
-        if not recipes:
-            actions.append(f"get {need} {_name(name)}")
-            inventory[name] += need
-            return
-        recipe = min(recipes, key=lambda r: max(tree.get_min_depth(i.item_tag.name) for i in r.input_items))
-        made, times = recipe.output_item.count, ceil(need / recipe.output_item.count)
-        inputs = [(concrete(i.item_tag), i.count) for i in recipe.input_items]
-        for _ in range(len(inputs) + 1):  # making one input can use up another (sticks eat planks)
-            missing = [(x, times * c) for x, c in inputs if inventory[x] < times * c]
-            if not missing:
-                break
-            for x, c in missing:
-                obtain(x, c, depth + 1)
-        else:
-            raise PlanError(f"could not gather the inputs for {name}")
-        for _ in range(times):
-            actions.append(f"craft {made} {_name(name)} using " + ", ".join(f"{c} {_name(x)}" for x, c in inputs))
-            inventory.subtract(dict(inputs))
-            inventory[name] += made
+        recipe = min(tree.itemid_recipes[name], key=lambda r: max(tree.get_min_depth(i.item_tag.name) for i in r.input_items))
+        while inventory[name] < count:
+            for _ in range(len(recipe.input_items) + 1):  # making one input can use up another (sticks eat planks)
+                missing = [(x, c) for x, c in _inputs(recipe, inventory) if inventory[x] < c]
+                if not missing:
+                    break
+                for x, c in missing:
+                    obtain(x, c, depth + 1)
+            else:
+                raise PlanError(f"could not gather the inputs for {name}")
+            actions.append(_craft(recipe, inventory))
+            inventory.subtract(dict(_inputs(recipe, inventory)))
+            inventory[name] += recipe.output_item.count
 
     obtain(goal, 1)
     return actions
@@ -144,6 +170,7 @@ class TextCraftEnv:
     def __init__(self):
         self._env = None
         self._plan: list[str] = []
+        self._recipes: list = []
         self._t = 0
 
     def tasks(self, split: str) -> list[Task]:
@@ -159,15 +186,17 @@ class TextCraftEnv:
         self._env.inventory = {}
         self._env.goal = task.id
         self._plan, self._t = [], 0
-        listing = recipe_listing(task.id, random.Random(task.id))
-        return Observation(instruction=f"craft {_name(task.id)}.", text="Crafting commands:\n" + "\n".join(listing))
+        self._recipes = listed_recipes(task.id, random.Random(task.id))
+        return Observation(instruction=f"craft {_name(task.id)}.", text="Crafting commands:\n" + "\n".join(r.recipe_str for r in self._recipes),
+                           admissible=admissible_actions(self._recipes, Counter()))
 
     def step(self, action: str) -> Step:
         with contextlib.redirect_stdout(io.StringIO()):  # the package prints recipe mismatches
             obs, reward, terminated, _, _ = self._env.step(action)
         self._t += 1
         won = bool(terminated and reward > 0)
-        return Step(observation=obs, reward=float(reward), done=won, won=won, valid=not obs.startswith(REJECTED_PREFIXES))
+        return Step(observation=obs, reward=float(reward), done=won, won=won, valid=not obs.startswith(REJECTED_PREFIXES),
+                    admissible=admissible_actions(self._recipes, Counter(self._env.inventory)))
 
     def expert_action(self) -> str | None:
         if not self._plan and self._t == 0:
