@@ -19,7 +19,6 @@ import io
 import random
 from collections import Counter
 from functools import lru_cache
-from math import ceil
 
 from qevolve.envs.base import Observation, Step, Task
 
