@@ -4,7 +4,8 @@ A task is a goal item that needs at least two crafting steps (419 goals). The pa
 picks the goal by its position in a list ordered by the file system, and its recipe-tree walk appends to
 the crafting tree's recipe lists in place (resets grow slower, and later crafts can match the wrong
 recipe). So the goal is named by the task and the recipe list is built here without touching the tree;
-the package's `step` (crafting, `get`, inventory) is used as is.
+the package's `step` (crafting, `get`, inventory) is used as is. Every observation comes with the valid
+actions built from the listing and the inventory (`admissible_actions`), which the planner keeps to.
 
 Splits: the goals sorted by id, a goal is `test` when the first 8 hex digits of the SHA-1 of its id are
 0 mod 5, else `train` (345 train, 74 test); the split does not depend on the package's file order.
@@ -87,10 +88,6 @@ def listed_recipes(goal: str, rng: random.Random) -> list:
     listed = list(needed.values()) + [others[text] for text in rng.sample(sorted(others), min(len(others), MAX_DISTRACTORS))]
     rng.shuffle(listed)
     return listed
-
-
-def recipe_listing(goal: str, rng: random.Random) -> list[str]:
-    return [r.recipe_str for r in listed_recipes(goal, rng)]
 
 
 def _concrete(tag, inventory: Counter) -> str:
