@@ -48,7 +48,7 @@ def iteration(k: int, root: str, parent_run_id: str) -> dict:
     results = {}
     start = time.perf_counter()
     with start_iteration(k, parent_run_id):
-        for stage in iteration_stages(load_params(Path(root) / "params.yaml")):
+        for stage in iteration_stages(load_params(Path(root) / "params.yaml"), k):
             result = run_pipeline_stage(stage, k, root)
             log_stage(result)
             results[stage_name(stage, k)] = result

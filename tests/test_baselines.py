@@ -16,7 +16,8 @@ from qevolve.models.critic import Critic
 from qevolve.models.policy import BestOfN, load_policy
 from qevolve.models.prompt import PromptBuilder, format_action
 from qevolve.stages import iteration_stages, pipeline, run_stage
-from qevolve.methods.grpo.online import another_round, group_advantages
+from qevolve.methods.grpo.online import group_advantages
+from qevolve.rollout import another_round
 from qevolve.training import pad_ids
 from tests.test_env_pipelines import _tiny
 

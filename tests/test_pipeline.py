@@ -51,11 +51,12 @@ def test_flow_and_dvc_yaml_describe_the_same_stages(tmp_path):
 
 
 def _method_params() -> dict:
-    """method -> parameters with one iteration that use every stage of its recipe (Q-Evolve's with reranking)."""
+    """method -> parameters that use every stage of its recipe (Q-Evolve's with reranking; Multi²'s with two
+    iterations, its online phase starting at the second)."""
     from qevolve.config import parse_params
     from qevolve.recipe import methods
 
-    raw = {"qevolve": {"rerank": {"best_of": 2}}}
+    raw = {"qevolve": {"rerank": {"best_of": 2}}, "multi2": {"evolve": {"iterations": 2}}}
     return {m: parse_params({"method": m, "evolve": {"iterations": 1}, **raw.get(m, {})}) for m in methods()}
 
 
@@ -327,7 +328,7 @@ def test_a_method_is_its_package(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path / "src")},
                          capture_output=True, text=True, check=True).stdout.strip()
-    assert out == ("['grpo', 'grpo_copy', 'qevolve', 'step_hrl'] ['1', '2'] ['src/qevolve/methods/__init__.py', 'src/qevolve/methods/grpo/__init__.py', "
+    assert out == ("['grpo', 'grpo_copy', 'multi2', 'qevolve', 'step_hrl'] ['1', '2'] ['src/qevolve/methods/__init__.py', 'src/qevolve/methods/grpo/__init__.py', "
                    "'src/qevolve/methods/grpo/config.py', 'src/qevolve/methods/grpo_copy/__init__.py', 'src/qevolve/methods/grpo_copy/online.py'] "
                    "[('evaluate', 0), ('online', 1), ('evaluate', 1), ('online', 2), ('evaluate', 2)]")
 

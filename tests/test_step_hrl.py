@@ -92,7 +92,7 @@ def test_transitions_carry_the_papers_rewards_done_flags_and_next_states():
     assert "Local progress: None" in low[2].state_text  # a new subtask starts from no progress
     assert [x.output_text for x in progress] == [lab.progress for lab in labels] and [x.reward for x in progress] == [x.reward for x in low]
     # the public code penalises only ScienceWorld's rejection text, so never on ALFWorld
-    assert [x.reward for x in transitions(t, labels, RolePrompts("alfworld"), repo_compat=True)["low"]] == [0.0, 1.0, 0.0, 1.0]
+    assert [x.reward for x in transitions(t, labels, RolePrompts("alfworld"), compat_rejections=True)["low"]] == [0.0, 1.0, 0.0, 1.0]
     # w/o LP: no progress in the low prompt, no progress transitions
     plain = transitions(t, labels, RolePrompts("alfworld", progress=False))
     assert plain["progress"] == [] and all("Local progress" not in x.state_text for x in plain["low"])

@@ -100,7 +100,7 @@ def spec(params: Params) -> dict:
     loop = list(range(1, params.evolve.iterations + 1))
     stages = {s.name: _entry(s, params, []) for s in recipe.setup}
     if loop:
-        stages |= {s.name: _entry(s, params, loop) for s in recipe.iteration(params)}
+        stages |= {s.name: _entry(s, params, at) for s in recipe.iteration(params) if (at := [k for k in loop if s.runs_at(k)])}
     stages["evaluate"] = _entry(recipe.evaluate(), params, [0, *loop])
     return {"stages": stages}
 

@@ -59,6 +59,12 @@ class Stage:
     """Passed `iteration=k`."""
     trainer: bool = False
     """Trains a model: `train.processes` > 1 runs it data-parallel under torchrun."""
+    at: Callable[[int], bool] | None = None
+    """The iterations it runs in (None: every one), for a method whose first iterations differ from the
+    later ones (Multi²: offline in iteration 1, online after)."""
+
+    def runs_at(self, k: int) -> bool:
+        return self.at is None or self.at(k)
 
 
 SETUP = (
@@ -78,9 +84,9 @@ class Recipe:
     name: str
     iteration: Callable[[object], tuple[Stage, ...]]
     """Params -> the stages of every iteration, in run order, before `evaluate@k`."""
-    plays: str
-    """The stage that plays train episodes in each iteration: its metrics carry the cumulative env-step
-    count that the evaluations report."""
+    plays: str | Callable[[int], str]
+    """The stage that plays train episodes in each iteration (or iteration k -> its name): its metrics
+    carry the cumulative env-step count that the evaluations report."""
     setup: tuple[Stage, ...] = SETUP
     """The stages run once before `evaluate@0`; the last writes the policy of iteration 0 (`paths.BC`)."""
     evaluate_module: str = "qevolve.stages.evaluate"
@@ -91,7 +97,9 @@ class Recipe:
     def steps_before(self, k: int) -> Path:
         """The metrics file with the env steps spent to train policy k: the experts' for k = 0, else
         this recipe's stage that played iteration k's episodes."""
-        return paths.metrics("experts") if k == 0 else paths.metrics(f"{self.plays}@{k}")
+        if k == 0:
+            return paths.metrics("experts")
+        return paths.metrics(f"{self.plays(k) if callable(self.plays) else self.plays}@{k}")
 
     def evaluate(self) -> Stage:
         return Stage(
@@ -113,7 +121,8 @@ class Recipe:
     def order(self, params, iterations: int) -> list[tuple[Stage, int | None]]:
         """(stage, iteration) in run order for `iterations` iterations (None for a once-only stage)."""
         each = (*self.iteration(params), self.evaluate())
-        return [(s, None) for s in self.setup] + [(self.evaluate(), 0)] + [(s, k) for k in range(1, iterations + 1) for s in each]
+        return ([(s, None) for s in self.setup] + [(self.evaluate(), 0)]
+                + [(s, k) for k in range(1, iterations + 1) for s in each if s.runs_at(k)])
 
 
 

@@ -184,18 +184,31 @@ def play_in(cfg: EnvConfig, tasks: list[Task], actor: Actor, **kwargs) -> list[T
     )
 
 
+def another_round(spent: int, budget: int, rounds: int) -> bool:
+    """Whether one more round brings the env steps spent nearer the budget: yes while more than half
+    a round (the mean of the rounds so far) of the budget is left."""
+    return budget - spent > (spent / rounds / 2 if rounds else 0)
+
+
 def episode_metrics(trajs: list[Trajectory]) -> dict:
-    """Success rate, average reward, steps, invalid-action rate and tokens per episode."""
+    """Success rate, average reward, steps, invalid-action and repeated-action rates (a step repeating its
+    episode's previous action), tokens per episode, and episodes and successes per task type
+    (TextCraft's recipe depth, ALFWorld's task type)."""
     n = max(len(trajs), 1)
     steps = [s for t in trajs for s in t.steps]
+    repeated = sum(a.action is not None and a.action == b.action for t in trajs for b, a in zip(t.steps, t.steps[1:]))
+    types = sorted({t.task_type for t in trajs})
     return {
         "episodes": len(trajs),
         "success_rate": sum(t.won for t in trajs) / n,
         "avg_reward": sum(t.reward for t in trajs) / n,
         "avg_steps": len(steps) / n,
         "invalid_rate": sum(not s.valid for s in steps) / max(len(steps), 1),
+        "repeated_rate": repeated / max(len(steps), 1),
         "output_tokens_per_episode": sum(s.output_tokens for s in steps) / n,
         "prompt_tokens_per_episode": sum(s.prompt_tokens for s in steps) / n,
+        "by_type": {ty: {"episodes": sum(t.task_type == ty for t in trajs), "won": sum(t.won for t in trajs if t.task_type == ty)}
+                    for ty in types},
     }
 
 

@@ -26,6 +26,8 @@ class HierarchicalAgent:
     """`models[role]` acts for each role (one merged model for all three with a shared adapter; one model
     with an adapter per role and `activate(role)` to switch to a role's, with separate ones).
 
+    With `prompts.history` the low role also reads the subtask's earlier (observation, action) turns.
+
     `mode` is the low role's (`admissible`: every valid action is scored twice, ending the subtask or
     not; `free`: generated). The high role chooses among `subtasks` when `high_mode` is `admissible`, else
     writes one; the progress role always writes. `max_subtask_steps` ends a subtask the low role does not."""
@@ -83,7 +85,7 @@ class HierarchicalAgent:
         self._greedy = greedy
         for s, e in zip(slots, episodes):
             if not e.state:
-                e.state.update(done=[], subtask=None, progress=NONE, last=NONE, steps=0, index=-1)
+                e.state.update(done=[], subtask=None, progress=NONE, last=NONE, steps=0, index=-1, turns=[])
                 self.labels[e.traj.trajectory_id] = []
             e.state["slot"] = s
         planning = [(s, e) for s, e in zip(slots, episodes) if e.state["subtask"] is None]
@@ -96,10 +98,11 @@ class HierarchicalAgent:
             else:
                 chosen = self._write("high", [e for _, e in planning], prompts, self.max_new_tokens)
             for (s, e), prompt, (subtask, _, n) in zip(planning, prompts, chosen):
-                e.state.update(subtask=subtask or NONE, progress=NONE, steps=0, index=e.state["index"] + 1)
+                e.state.update(subtask=subtask or NONE, progress=NONE, steps=0, index=e.state["index"] + 1, turns=[])
                 high_cost[s] = (len(prompt), n)
                 self._count(e.traj.trajectory_id, "high", len(prompt), n)
-        prompts = [self._prompt(self.prompts.low(e.state["subtask"], e.observations[-1], e.state["progress"])) for e in episodes]
+        prompts = [self._prompt(self.prompts.low(e.state["subtask"], e.observations[-1], e.state["progress"], e.state["turns"]))
+                   for e in episodes]
         if self.mode == "admissible":
             chosen = self._choose("low", episodes, prompts, [[low_output(a, f) for a in e.admissible for f in (False, True)] for e in episodes])
         else:
@@ -131,6 +134,7 @@ class HierarchicalAgent:
                 self._count(e.traj.trajectory_id, "progress", len(prompt), n)
             state = e.state
             state["steps"] += 1
+            state["turns"].append((step.observation, step.action or step.output))
             ends = parse_low(step.output)[1] or state["steps"] >= self.max_subtask_steps
             state["progress"] = progress or NONE
             self.labels[e.traj.trajectory_id].append(Label(state["index"], state["subtask"], state["progress"], ends))

@@ -196,7 +196,7 @@ def rule_labels(env: str, traj: Trajectory) -> list[Label]:
 # -- the LLM annotator ----------------------------------------------------------------------------
 
 class AnnotatorError(UserError, RuntimeError):
-    hint = "step_hrl.llm_url must be the base URL of an OpenAI-compatible server (…/v1) that answers /chat/completions"
+    hint = "<method>.llm_url (step_hrl.llm_url, multi2.llm_url) must be the base URL of an OpenAI-compatible server (…/v1) that answers /chat/completions"
 
 
 SEGMENT_PROMPT = (
@@ -209,9 +209,10 @@ SEGMENT_PROMPT = (
 )
 
 
-def llm_labels(url: str, model: str, traj: Trajectory, timeout: float = 60.0) -> list[Label]:
+def llm_labels(url: str, model: str, traj: Trajectory, timeout: float = 60.0, key: str = "step_hrl.llm_url") -> list[Label]:
     """Labels from a chat model behind an OpenAI-compatible `url` (`POST {url}/chat/completions`). The
-    answer must cover every step exactly once; anything else is an `AnnotatorError` naming the trajectory."""
+    answer must cover every step exactly once; anything else is an `AnnotatorError` naming the trajectory
+    and the params key `key` that set the URL."""
     steps = "\n".join(f"{i + 1}. {s.action}\n   -> {s.next_observation[:300]}" for i, s in enumerate(traj.steps))
     body = {"model": model, "temperature": 0, "messages": [
         {"role": "user", "content": SEGMENT_PROMPT.format(n=len(traj.steps), instruction=traj.instruction, steps=steps)}]}
@@ -221,7 +222,7 @@ def llm_labels(url: str, model: str, traj: Trajectory, timeout: float = 60.0) ->
         with urllib.request.urlopen(request, timeout=timeout) as reply:
             content = json.loads(reply.read())["choices"][0]["message"]["content"]
     except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError) as err:
-        raise AnnotatorError(f"step_hrl.llm_url = {url!r}: no usable answer from {url.rstrip('/')}/chat/completions "
+        raise AnnotatorError(f"{key} = {url!r}: no usable answer from {url.rstrip('/')}/chat/completions "
                              f"({type(err).__name__}: {err})") from None
     try:
         parts = json.loads(content.strip().removeprefix("```json").removesuffix("```"))
@@ -232,9 +233,9 @@ def llm_labels(url: str, model: str, traj: Trajectory, timeout: float = 60.0) ->
                 raise ValueError(f"subtask {index}: {n} steps but {len(progress)} progress texts")
             labels += [Label(index, str(part["subtask"]), p, i == n - 1) for i, p in enumerate(progress)]
     except (ValueError, KeyError, TypeError) as err:
-        raise AnnotatorError(f"step_hrl.llm_url = {url!r}: the annotation of trajectory {traj.trajectory_id} is not the "
+        raise AnnotatorError(f"{key} = {url!r}: the annotation of trajectory {traj.trajectory_id} is not the "
                              f"JSON asked for ({err}): {content[:300]!r}") from None
     if len(labels) != len(traj.steps):
-        raise AnnotatorError(f"step_hrl.llm_url = {url!r}: the annotation of trajectory {traj.trajectory_id} covers "
+        raise AnnotatorError(f"{key} = {url!r}: the annotation of trajectory {traj.trajectory_id} covers "
                              f"{len(labels)} steps, the trajectory has {len(traj.steps)}")
     return labels

@@ -7,11 +7,14 @@ of bounded size (no history):
 - low: subtask + current observation + local progress -> `<action>; True|False` (True: the subtask is done);
 - progress: subtask + previous progress + action + resulting observation -> the new local progress.
 
+With `history` (Multi²'s executor) the low level also reads the subtask's earlier observation/action
+turns, so its context is the subtask's segment, still bounded by the subtask's length.
+
 `transitions` turns an annotated trajectory (an expert's labelled by `qevolve.hierarchy.annotators`, or one
 the hierarchical agent played) into the three transition sets, with the rewards, done flags and next
 states of the paper's table (../shared/research/step-hrl.md, section 1): the high level gets the
 environment's reward summed over the subtask; the low and progress levels get +1 at a subtask's last
-step and -1 for a rejected action.
+step and -`rejected_penalty` for a rejected action (STEP-HRL's 1; Multi²'s 0, GLIDER's [0, ..., 0, 1]).
 """
 
 from __future__ import annotations
@@ -38,6 +41,14 @@ SCIENCEWORLD_REJECTED = "No known action matches that input."
 _LOW_OUTPUT = re.compile(r"^\s*(.*?)\s*;\s*(true|false)\s*$", re.IGNORECASE | re.DOTALL)
 
 
+def encode(builder, state_text: str, output_text: str) -> tuple[list[int], list[int]]:
+    """(ids, mask) of one role call with `builder` (a `PromptBuilder`): its prompt, then its output (the
+    mask's 1s) and end-of-turn marker."""
+    prompt = builder.head_ids + builder.user_turn(state_text)
+    output = builder.action_ids(output_text)
+    return prompt + output, [0] * len(prompt) + [1] * len(output)
+
+
 def low_output(action: str, ends: bool) -> str:
     return f"{action}; {ends}"
 
@@ -54,11 +65,12 @@ def parse_low(output: str) -> tuple[str | None, bool]:
 class RolePrompts:
     """The user turn of each role for environment `env`. `progress=False` is the paper's "w/o LP" ablation:
     the low level sees the subtask and the observation only, and no progress is kept. `clip` shortens an
-    observation (`PromptBuilder.clip`)."""
+    observation (`PromptBuilder.clip`). `history`: the low level also reads the subtask's earlier turns."""
 
     env: str
     progress: bool = True
     clip: Callable[[str], str] = lambda text: text
+    history: bool = False
 
     def intro(self, role: str) -> str:
         return f"{INTRODUCTIONS[self.env].replace(REPLY, '').strip()} {_INTROS[role]}"
@@ -69,8 +81,13 @@ class RolePrompts:
             lines.append(f"Last subtask progress: {last_progress}")
         return "\n".join([*lines, f"Current observation: {self.clip(observation).strip()}"])
 
-    def low(self, subtask: str, observation: str, progress: str) -> str:
-        lines = [self.intro("low"), f"Subtask: {subtask}", f"Current observation: {self.clip(observation).strip()}"]
+    def low(self, subtask: str, observation: str, progress: str, turns: list[tuple[str, str]] = ()) -> str:
+        """`turns`: the subtask's earlier (observation, action) pairs, read with `history` only."""
+        lines = [self.intro("low"), f"Subtask: {subtask}"]
+        if self.history:
+            for seen, action in turns:
+                lines += [f"Observation: {self.clip(seen).strip()}", f"Action: {action}"]
+        lines.append(f"Current observation: {self.clip(observation).strip()}")
         return "\n".join(lines + ([f"Local progress: {progress}"] if self.progress else []))
 
     def progress_state(self, subtask: str, previous: str, action: str, observation: str) -> str:
@@ -101,10 +118,11 @@ class Transition:
     won: bool
 
 
-def transitions(traj: Trajectory, labels: list[Label], prompts: RolePrompts, repo_compat: bool = False) -> dict[str, list[Transition]]:
+def transitions(traj: Trajectory, labels: list[Label], prompts: RolePrompts, compat_rejections: bool = False,
+                rejected_penalty: float = 1.0) -> dict[str, list[Transition]]:
     """The high, low and progress transitions of one annotated trajectory (progress: none when
-    `prompts.progress` is off). `repo_compat`: penalise a rejected action only on ScienceWorld's rejection
-    text, as the public code's converters do (so never on ALFWorld), instead of on every invalid step."""
+    `prompts.progress` is off). `compat_rejections`: count a rejected action only on ScienceWorld's
+    rejection text, as STEP-HRL's public converters do (so never on ALFWorld), instead of every invalid step."""
     if len(labels) != len(traj.steps):
         raise ValueError(f"trajectory {traj.trajectory_id}: {len(labels)} labels for {len(traj.steps)} steps")
     steps = traj.steps
@@ -113,12 +131,16 @@ def transitions(traj: Trajectory, labels: list[Label], prompts: RolePrompts, rep
     row = dict(trajectory_id=traj.trajectory_id, task_id=traj.task_id, split=traj.split, source=traj.source, won=traj.won)
 
     def rejected(t: int) -> bool:
-        return steps[t].next_observation.strip() == SCIENCEWORLD_REJECTED if repo_compat else not steps[t].valid
-
-    def low_state(t: int) -> str:
-        return prompts.low(labels[t].subtask, steps[t].observation, before[t])
+        return steps[t].next_observation.strip() == SCIENCEWORLD_REJECTED if compat_rejections else not steps[t].valid
 
     starts = [t for t in range(len(steps)) if t == 0 or labels[t - 1].ends]
+    segment_start = [max(s for s in starts if s <= t) for t in range(len(steps))]
+
+    def turns(t: int, until: int) -> list[tuple[str, str]]:
+        return [(steps[i].observation, steps[i].action or steps[i].output) for i in range(segment_start[t], until)]
+
+    def low_state(t: int) -> str:
+        return prompts.low(labels[t].subtask, steps[t].observation, before[t], turns(t, t))
     done_names: list[str] = []
     high_states = []
     for k, t in enumerate(starts):
@@ -134,10 +156,10 @@ def transitions(traj: Trajectory, labels: list[Label], prompts: RolePrompts, rep
             next_state_text=high_states[k + 1] if k + 1 < len(starts) else end,
         ))
     for t, (s, label) in enumerate(zip(steps, labels)):
-        reward = 1.0 if label.ends else -1.0 if rejected(t) else 0.0
+        reward = 1.0 if label.ends else 0.0 - rejected_penalty if rejected(t) else 0.0
         final = t + 1 == len(steps)
         if final and not label.ends:  # cut off inside a subtask: the next state is where it stopped
-            next_low = prompts.low(label.subtask, s.next_observation, label.progress)
+            next_low = prompts.low(label.subtask, s.next_observation, label.progress, turns(t, t + 1))
         else:
             next_low = end if final else low_state(t + 1)
         out["low"].append(Transition(**row, subtask_index=label.subtask_index, step=t, state_text=low_state(t),

@@ -25,9 +25,9 @@ def stage_name(stage: str, iteration: int | None = None) -> str:
     return stage if iteration is None else f"{stage}@{iteration}"
 
 
-def iteration_stages(params: Params) -> tuple[str, ...]:
+def iteration_stages(params: Params, k: int = 1) -> tuple[str, ...]:
     """The stages of iteration k >= 1 for these parameters, in run order: their method's, then `evaluate`."""
-    return tuple(s.name for s in load_recipe(params.method).iteration(params)) + ("evaluate",)
+    return tuple(s.name for s in load_recipe(params.method).iteration(params) if s.runs_at(k)) + ("evaluate",)
 
 
 def pipeline(params: Params, iterations: int | None = None) -> list[tuple[str, int | None]]:

@@ -28,7 +28,7 @@ from qevolve.models.device import placement
 from qevolve.models.policy import Actor, load_policy
 from qevolve.models.prompt import PROMPT_FILE, make_builder
 from qevolve.policy_update import policy_items, policy_step, reference_pass
-from qevolve.rollout import play_in
+from qevolve.rollout import another_round, play_in
 from qevolve.training import changing_tensors, checkpoint_path, fingerprint, input_digest, train
 
 log = logging.getLogger(__name__)
@@ -47,12 +47,6 @@ def group_advantages(trajs: list[Trajectory]) -> dict[tuple[str, int], float]:
         for t, a in zip(group, adv.tolist()):
             out.update({(t.trajectory_id, s.step): a for s in t.steps})
     return out
-
-
-def another_round(spent: int, budget: int, rounds: int) -> bool:
-    """Whether one more round brings the env steps spent nearer the budget: yes while more than half
-    a round (the mean of the rounds so far) of the budget is left."""
-    return budget - spent > (spent / rounds / 2 if rounds else 0)
 
 
 def online(params: Params, base_dir: Path, previous_dir: Path, out: Path, metrics_path: Path, curve_path: Path, iteration: int, previous_metrics: Path) -> dict:

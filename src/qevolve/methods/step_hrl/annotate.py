@@ -1,5 +1,6 @@
 """`annotate`: the expert trajectories cut into subtasks with each step's local progress, as the three
-transition sets the hierarchical policy learns from (high, low, progress; `qevolve.data.transitions`)."""
+transition sets the hierarchical policy learns from (high, low, progress; `qevolve.data.transitions`);
+with the running hierarchical method's section (`step_hrl`, `multi2`)."""
 
 from __future__ import annotations
 
@@ -13,28 +14,30 @@ from qevolve.data.store import read_store
 from qevolve.data.transitions import write_transitions
 from qevolve.envs import check_tasks, make_env
 from qevolve.hierarchy.annotators import llm_labels, rule_labels
-from qevolve.hierarchy.roles import ROLES, RolePrompts, transitions
-from qevolve.methods.step_hrl.shared import encode, role_builder
+from qevolve.methods.step_hrl.config import section, section_name
+from qevolve.hierarchy.roles import ROLES, transitions
+from qevolve.methods.step_hrl.shared import encode, role_builder, role_prompts
 from qevolve.models.base import load_tokenizer
 
 
 def annotate(params: Params, experts_dir: Path, base_dir: Path, out: Path, metrics_path: Path) -> dict:
-    """Label every expert trajectory (`step_hrl.annotator`) and write its transitions; every trajectory is
+    """Label every expert trajectory (`<method>.annotator`) and write its transitions; every trajectory is
     labelled before anything is written, so a failing annotator leaves no partial store."""
-    cfg = params.step_hrl
+    cfg = section(params)
     trajs = [t for t in read_store(experts_dir) if t.steps]
     if not trajs:
         raise ValueError(f"{experts_dir}: no expert trajectories to annotate")
     check_tasks(make_env(params.env), trajs, str(experts_dir))
     tok = load_tokenizer(base_dir)
     builder = role_builder(params, tok)
-    prompts = RolePrompts(params.env.name, cfg.progress, builder.clip)
+    prompts = role_prompts(params, builder)
     sets: dict[str, list] = {role: [] for role in ROLES}
     subtasks = 0
     for t in tqdm(trajs, desc="annotate", unit="traj"):
-        labels = llm_labels(cfg.llm_url, cfg.llm_model, t) if cfg.annotator == "llm" else rule_labels(params.env.name, t)
+        labels = (llm_labels(cfg.llm_url, cfg.llm_model, t, key=f"{section_name(params)}.llm_url") if cfg.annotator == "llm"
+                  else rule_labels(params.env.name, t))
         subtasks += labels[-1].subtask_index + 1
-        for role, rows in transitions(t, labels, prompts, cfg.repo_compat).items():
+        for role, rows in transitions(t, labels, prompts, cfg.compat_rejections, cfg.rejected_penalty).items():
             sets[role] += rows
     write_transitions(out, sets, lambda text: len(tok.encode(text, add_special_tokens=False)))
     high, low = sets["high"], sets["low"]

@@ -1,4 +1,4 @@
-"""`bc` (STEP-HRL): behaviour cloning of the three roles on the annotated expert transitions, one adapter
+"""`bc` (hierarchical methods): behaviour cloning of the roles on the annotated expert transitions, one adapter
 for all three (the roles are told apart by their prompts), or one per role (`step_hrl.adapters: separate`,
 each trained on its own role's outputs). The loss of each output is its length-normalised
 negative log-likelihood, averaged over the batch (the public code's); the three levels share every
@@ -15,8 +15,9 @@ from qevolve.algos.losses import sequence_logprobs
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.transitions import read_transitions
+from qevolve.methods.step_hrl.config import section
 from qevolve.hierarchy.roles import ROLES
-from qevolve.methods.step_hrl.shared import encode, role_builder, role_groups, role_names, write_roles
+from qevolve.methods.step_hrl.shared import encode, role_builder, role_groups, role_names, role_prompts, write_roles
 from qevolve.models.device import model_device, placement
 from qevolve.models.policy import load_policy
 from qevolve.training import (
@@ -51,11 +52,12 @@ def bc(params: Params, base_dir: Path, data_dir: Path, out: Path, metrics_path: 
     sets = read_transitions(data_dir)
     if not sets["low"]:
         raise ValueError(f"{data_dir}: no annotated transitions to clone")
-    adapters = params.step_hrl.adapters
-    model, tok = load_policy(base_dir, loading_config(params.model, params.train), names=role_names(adapters))
+    hrl = section(params)
+    adapters, progress = hrl.adapters, bool(sets["progress"])
+    model, tok = load_policy(base_dir, loading_config(params.model, params.train), names=role_names(adapters, progress))
     model = shard(model, params.train, params.model.device)
     builder = role_builder(params, tok)
-    weight = {"high": 1.0 / params.step_hrl.high_interval, "low": 1.0, "progress": 1.0}
+    weight = {"high": 1.0 / hrl.high_interval, "low": 1.0, "progress": 1.0}
     items = [(role, *encode(builder, r["state_text"], r["output_text"]), weight[role]) for role in ROLES for r in sets[role]]
     start = time.perf_counter()
     curve = train(model, items, cfg, lambda it: len(it[1]),
@@ -65,10 +67,9 @@ def bc(params: Params, base_dir: Path, data_dir: Path, out: Path, metrics_path: 
     state = full_state(model)
     if not is_main():
         return {}
-    progress = bool(sets["progress"])
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, state_dict=state)
-        write_roles(tmp, params.env.name, progress, sorted({r["output_text"] for r in sets["high"]}), adapters)
+        write_roles(tmp, role_prompts(params, builder, progress), sorted({r["output_text"] for r in sets["high"]}), adapters)
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),
         "first_loss": curve[0]["loss"],

@@ -1,4 +1,4 @@
-"""`collect@k` (STEP-HRL): the previous policy's own hierarchical episodes on train tasks, sampled, kept as
+"""`collect@k` (hierarchical methods): the previous policy's own hierarchical episodes on train tasks, sampled, kept as
 episodes and as the three transition sets its decisions make (the same sets `annotate` makes of experts)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from qevolve.data.store import write_store
 from qevolve.data.transitions import write_transitions
 from qevolve.envs import make_env, select_tasks
 from qevolve.envs.base import check_env_failures, env_failures
+from qevolve.methods.step_hrl.config import section
 from qevolve.hierarchy.roles import ROLES, transitions
 from qevolve.methods.step_hrl.shared import COLLECTED, make_agent
 from qevolve.rollout import collection_metrics, play_in
@@ -33,9 +34,10 @@ def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics
     failures = env_failures(trajs)
     trajs, _ = check_env_failures(trajs, params.env.max_failure_ratio, f"collect@{iteration}")
     sets: dict[str, list] = {role: [] for role in ROLES}
+    hrl = section(params)
     for t in trajs:
         if t.steps:
-            for role, rows in transitions(t, agent.labels[t.trajectory_id], agent.prompts, params.step_hrl.repo_compat).items():
+            for role, rows in transitions(t, agent.labels[t.trajectory_id], agent.prompts, hrl.compat_rejections, hrl.rejected_penalty).items():
                 sets[role] += rows
     with atomic_dir(out) as tmp:
         write_store(tmp / EPISODES, trajs)

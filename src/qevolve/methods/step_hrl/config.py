@@ -1,32 +1,112 @@
-"""STEP-HRL's own section of params.yaml, `step_hrl`, and its rules across sections.
+"""STEP-HRL's own section of params.yaml, `step_hrl`, its rules across sections, and what every
+hierarchical method's section shares (`HierarchyConfig`: Multi²'s `multi2` extends it too).
 
-The paper's version is the default; `repo_compat: true` reproduces the public code's effective update
-(docs/step-hrl.md sets the two side by side)."""
+The hierarchical stages (annotate, bc, collect, critic, evaluate, in this package) read the section named
+after `method` (`section`). STEP-HRL's paper version is the default; `repo_compat: true` reproduces its
+public code's effective update (docs/step-hrl.md sets the two side by side)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from qevolve.config import Section, TrainConfig
 
 
-class StepCriticConfig(TrainConfig):
-    """`critic@k`: one critic per level (V and Q heads, a Polyak target Q), on the critic's own adapter."""
+class LevelCriticConfig(TrainConfig):
+    """`critic@k`: a critic per level with one (V and Q heads, a Polyak target Q), on the critic's own adapter."""
 
     epochs: int = Field(3, gt=0)
     lr: float = Field(1e-4, gt=0)
-    """The paper's critic learning rate."""
+    """STEP-HRL's critic learning rate."""
     batch_size: int = Field(16, gt=0)
     gamma: float = Field(0.99, gt=0, le=1)
     expectile: float = Field(0.7, gt=0, lt=1)
-    """tau of V's expectile regression toward the target Q (IQL's convention: > 0.5 is an upper expectile).
-    The public code's `weight_tau: 0.95`, applied the other way round, is tau = 0.05 (`repo_compat`)."""
+    """tau of V's expectile regression toward the target Q (IQL's convention: > 0.5 is an upper expectile)."""
     target_rate: float = Field(0.2, gt=0, le=1)
-    """Polyak rate of each target Q head after every optimiser step (the public code's `tau`)."""
+    """Polyak rate of each target Q head after every optimiser step."""
     init_from_policy: bool = True
     """Start the critic's adapter as a copy of the BC policy's."""
+
+
+class HierarchyConfig(Section):
+    levels_with_critic: ClassVar[tuple[str, ...]] = ("high", "low", "progress")
+    """The levels `critic@k` trains a critic for (those with transitions)."""
+
+    progress: bool = True
+    """Keep local progress: the low level reads it and the progress role writes it after each step."""
+    history: bool = False
+    """The low level also reads the current subtask's earlier observation/action turns (Multi²'s executor
+    context); off, it sees the current observation only (STEP-HRL's bounded prompt)."""
+    adapters: Literal["shared", "separate"] = "shared"
+    """`shared`: one LoRA adapter acts for every role, told apart by their prompts. `separate`: one adapter
+    per role on the same base, each trained on its own role's outputs only; acting switches between them
+    unmerged."""
+    annotator: Literal["rule", "llm"] = "rule"
+    """Who cuts the expert trajectories into subtasks and writes each step's progress: this environment's
+    rules (`qevolve.hierarchy.annotators`, deterministic) or a chat model at `llm_url`."""
+    llm_url: str = ""
+    """Base URL of an OpenAI-compatible server (`http://host:port/v1`) for `annotator: llm`."""
+    llm_model: str = "deepseek-chat"
+    """The model name sent to `llm_url`."""
+    high_mode: Literal["admissible", "free"] = "admissible"
+    """`admissible`: the high level chooses among the annotated subtasks; `free`: it writes one."""
+    high_interval: int = Field(4, gt=0)
+    """The high level's BC loss is weighted 1 / high_interval (STEP-HRL's public code adds it every
+    `high_interval`-th step; this is the same share in expectation)."""
+    max_subtask_steps: int = Field(50, gt=0)
+    """A subtask the low level has not ended after this many steps ends anyway."""
+    progress_tokens: int = Field(48, gt=0)
+    """Most tokens the progress role writes per step."""
+    rejected_penalty: float = Field(1.0, ge=0)
+    """The low and progress levels' reward is -rejected_penalty at a step whose action the environment
+    rejected (and +1 at a subtask's last step)."""
+    collected_per_expert: float = Field(2.0, ge=0)
+    """Collected transitions per expert transition in the offline-RL data; the larger set is subsampled,
+    per level. 0 = every transition of both."""
+    critic: LevelCriticConfig = LevelCriticConfig()
+
+    @property
+    def compat_rejections(self) -> bool:
+        """Count a step as rejected only on ScienceWorld's rejection text (STEP-HRL's public code)."""
+        return False
+
+    @property
+    def compat_critic(self) -> bool:
+        """Critic heads on the policy's frozen features with V a lower expectile, tau 0.05 (STEP-HRL's public code)."""
+        return False
+
+
+def section_name(params) -> str:
+    """The running method, whose section a hierarchical stage reads. Not a recorded read: a stage belongs to
+    one method's recipe, so its dvc.yaml already stands for the method."""
+    return object.__getattribute__(params, "method")
+
+
+def section(params) -> HierarchyConfig:
+    """The running hierarchical method's own section (`params.step_hrl`, `params.multi2`)."""
+    return getattr(params, section_name(params))
+
+
+def check_hierarchy(params, name: str) -> None:
+    """Section `name`'s own rules, and its rules across sections when its method is the one running."""
+    cfg = getattr(params, name)
+    if cfg.annotator == "llm" and not cfg.llm_url.startswith(("http://", "https://")):
+        raise ValueError(f"{name}.llm_url: annotator `llm` needs the http(s) URL of an OpenAI-compatible server, got {cfg.llm_url!r}")
+    if params.method != name:
+        return
+    if cfg.adapters == "separate" and params.train.shard:
+        raise ValueError(f"{name}.adapters: `separate` runs each role's outputs through its own adapter, a different number of "
+                         "passes per process, which sharded training (train.shard) cannot do; use `shared` or train.shard: false")
+    if params.policy.backend != "hf" or params.policy.replicas:
+        raise ValueError(f"policy.backend / policy.replicas: {name}'s hierarchical agent plays its roles in the stage's "
+                         "process on the HF backend; use policy.backend: hf and policy.replicas: 0")
+
+
+class StepCriticConfig(LevelCriticConfig):
+    """`critic@k`: one critic per level. `expectile`: the public code's `weight_tau: 0.95`, applied the other
+    way round, is tau = 0.05 (`repo_compat`); `target_rate` is the public code's `tau`."""
 
 
 class StepPolicyConfig(TrainConfig):
@@ -42,33 +122,12 @@ class StepPolicyConfig(TrainConfig):
     """Weights are clipped at this value."""
 
 
-class StepHRLConfig(Section):
-    progress: bool = True
-    """Keep local progress: the low level reads it and the progress role writes it after each step. False
-    is the paper's "w/o LP" ablation (its worst): the low level sees the subtask and observation only."""
-    adapters: Literal["shared", "separate"] = "shared"
-    """`shared`: one LoRA adapter acts for the three roles, told apart by their prompts (the paper's and
-    the public code's). `separate`: one adapter per role on the same base, each trained on its own role's
-    outputs only; acting switches between them unmerged (docs/step-hrl.md)."""
-    annotator: Literal["rule", "llm"] = "rule"
-    """Who cuts the expert trajectories into subtasks and writes each step's progress: this environment's
-    rules (`qevolve.hierarchy.annotators`, deterministic) or a chat model at `llm_url` (as the paper did)."""
-    llm_url: str = ""
-    """Base URL of an OpenAI-compatible server (`http://host:port/v1`) for `annotator: llm`."""
-    llm_model: str = "deepseek-chat"
-    """The model name sent to `llm_url`."""
-    high_mode: Literal["admissible", "free"] = "admissible"
-    """`admissible`: the high level chooses among the annotated subtasks; `free`: it writes one."""
-    high_interval: int = Field(4, gt=0)
-    """The public code adds the high level's BC loss every `high_interval`-th step; here every high example
-    is in every epoch with its loss weighted 1 / high_interval, the same share in expectation."""
-    max_subtask_steps: int = Field(50, gt=0)
-    """A subtask the low level has not ended after this many steps ends anyway (the public code's 50)."""
-    progress_tokens: int = Field(48, gt=0)
-    """Most tokens the progress role writes per step (the public code allows 150)."""
-    collected_per_expert: float = Field(2.0, ge=0)
-    """Collected transitions per expert transition in the offline-RL data (the paper's best mix, 1:2);
-    the larger set is subsampled, per level. 0 = every transition of both."""
+class StepHRLConfig(HierarchyConfig):
+    """`progress: false` is the paper's "w/o LP" ablation (its worst): the low level sees the subtask and
+    observation only. `adapters: shared` is the paper's and the public code's; `max_subtask_steps` is the
+    public code's 50 and `progress_tokens` its 150 cut to 48; `collected_per_expert` 2.0 is the paper's best
+    mix (1:2)."""
+
     repo_compat: bool = False
     """Reproduce the public code's effective update instead of the paper's: the actor minimises
     -mean(A * log pi) (its AWR weights are computed and ignored), V is a lower expectile (tau = 0.05), the
@@ -77,21 +136,17 @@ class StepHRLConfig(Section):
     critic: StepCriticConfig = StepCriticConfig()
     policy: StepPolicyConfig = StepPolicyConfig()
 
-    @model_validator(mode="after")
-    def _llm_url(self) -> "StepHRLConfig":
-        if self.annotator == "llm" and not self.llm_url.startswith(("http://", "https://")):
-            raise ValueError(f"step_hrl.llm_url: annotator `llm` needs the http(s) URL of an OpenAI-compatible server, got {self.llm_url!r}")
-        return self
+    @property
+    def compat_rejections(self) -> bool:
+        return self.repo_compat
+
+    @property
+    def compat_critic(self) -> bool:
+        return self.repo_compat
 
 
 SECTIONS = {"step_hrl": StepHRLConfig}
 
 
 def check(params) -> None:
-    if params.method == "step_hrl" and params.step_hrl.adapters == "separate" and params.train.shard:
-        raise ValueError("step_hrl.adapters: `separate` runs each role's outputs through its own adapter, a different number of "
-                         "passes per process, which sharded training (train.shard) cannot do; use `shared` or train.shard: false")
-    if params.method == "step_hrl" and (params.policy.backend != "hf" or params.policy.replicas):
-        raise ValueError("policy.backend / policy.replicas: STEP-HRL's hierarchical agent plays its three roles in the stage's "
-                         "process on the HF backend; use policy.backend: hf and policy.replicas: 0")
-
+    check_hierarchy(params, "step_hrl")

@@ -1,106 +1,33 @@
-"""`critic@k` (STEP-HRL): step-level IQL, one critic per level, on expert + collected transitions; then the
-advantage A = Q(s, a) - V(s) of every transition, which `policy@k` weights its outputs by.
+"""`critic@k` (hierarchical methods): step-level IQL, one critic per level (each of the section's
+`levels_with_critic`: all three for STEP-HRL, System 2's for Multi²), on expert + collected transitions;
+then the advantage A = Q(s, a) - V(s) of every transition, which `policy@k` weights its outputs by.
 
 Per level: Q(s, a) by TD regression toward r + gamma (1 - done) V(s'), V(s) by expectile regression toward
 the target Q (a Polyak copy of the Q head). V(s) is read at the last token of the state's prompt, Q(s, a)
 at the last token of the output, V(s') at the last token of the next state's prompt, from one forward pass
 over the batch's (s + a) and s' sequences. The backbone is the critic's own LoRA adapter (started from the
 BC policy's; from its low role's with separate adapters), or with `step_hrl.repo_compat` the policy's
-frozen features, as in the public code.
+frozen features, as in STEP-HRL's public code.
 """
 
 from __future__ import annotations
 
-import copy
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from torch import nn
 
 from qevolve.algos.rl import iql_losses
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
-from qevolve.hierarchy.roles import ROLES
-from qevolve.methods.step_hrl.shared import ADVANTAGE_SCHEMA, ADVANTAGES, encode, read_roles, role_builder, training_sets
-from qevolve.models.base import causal_lm
-from qevolve.models.device import model_device, placement
+from qevolve.hierarchy.critic import Item, LevelCritic, critic_items, values
+from qevolve.methods.step_hrl.config import section
+from qevolve.methods.step_hrl.shared import ADVANTAGE_SCHEMA, ADVANTAGES, read_roles, role_builder, training_sets
+from qevolve.models.device import placement
 from qevolve.models.policy import load_policy
-from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train
-
-class LevelCritic(nn.Module):
-    """A backbone and, per level, V and Q heads and a target Q head (Polyak-averaged, no gradient)."""
-
-    def __init__(self, lm, frozen: bool):
-        super().__init__()
-        self.lm, self.frozen = lm, frozen
-        hidden = causal_lm(lm).config.hidden_size
-        self.v = nn.ModuleDict({role: nn.Linear(hidden, 1) for role in ROLES})
-        self.q = nn.ModuleDict({role: nn.Linear(hidden, 1) for role in ROLES})
-        for head in [*self.v.values(), *self.q.values()]:
-            nn.init.zeros_(head.weight)
-            nn.init.zeros_(head.bias)
-        self.q_target = copy.deepcopy(self.q).requires_grad_(False)
-        self.checkpoint_extra = tuple(n for n, _ in self.named_parameters() if n.startswith("q_target."))
-        if frozen:
-            lm.requires_grad_(False)
-        self.to(next(lm.parameters()).device)
-
-    def features(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        backbone = causal_lm(self.lm).base_model
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
-            return backbone(input_ids=ids, attention_mask=attn).last_hidden_state.float()
-
-    @torch.no_grad()
-    def update_target(self, rate: float) -> None:
-        for role in ROLES:
-            for t, p in zip(self.q_target[role].parameters(), self.q[role].parameters()):
-                t.lerp_(p, rate)
-
-
-@dataclass
-class Item:
-    role: str
-    key: tuple[str, str, int]
-    """(trajectory_id, role, step): which transition."""
-    ids: list[int]
-    """The state's prompt followed by the output."""
-    state_end: int
-    next_ids: list[int]
-    reward: float
-    done: bool
-
-
-def critic_items(builder, sets: dict[str, list[dict]]) -> list[Item]:
-    items = []
-    for role in ROLES:
-        for r in sets[role]:
-            ids, mask = encode(builder, r["state_text"], r["output_text"])
-            next_ids = builder.head_ids + builder.user_turn(r["next_state_text"])
-            items.append(Item(role, (r["trajectory_id"], role, r["step"]), ids, mask.index(1) - 1, next_ids, r["reward"], r["done"]))
-    return items
-
-
-def values(critic: LevelCritic, mb: list[Item], pad_id: int) -> dict[str, torch.Tensor]:
-    """V(s), Q(s, a), target Q(s, a) and V(s') of every item, from one pass over its two sequences."""
-    device = model_device(critic)
-    ids, attn = pad_ids([it.ids for it in mb] + [it.next_ids for it in mb], pad_id, device)
-    h = critic.features(ids, attn)
-    n = len(mb)
-    rows = torch.arange(n, device=device)
-    h_s = h[rows, torch.tensor([it.state_end for it in mb], device=device)]
-    h_sa = h[rows, torch.tensor([len(it.ids) - 1 for it in mb], device=device)]
-    h_next = h[rows + n, torch.tensor([len(it.next_ids) - 1 for it in mb], device=device)]
-    out: dict[str, list] = {"v": [], "q": [], "q_target": [], "v_next": []}
-    for b, it in enumerate(mb):
-        out["v"].append(critic.v[it.role](h_s[b]))
-        out["q"].append(critic.q[it.role](h_sa[b]))
-        out["q_target"].append(critic.q_target[it.role](h_sa[b]))
-        out["v_next"].append(critic.v[it.role](h_next[b]))
-    return {k: torch.cat(v) for k, v in out.items()}
+from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, train
 
 
 def critic_step(critic: LevelCritic, micro: list[list[Item]], gamma: float, tau: float, pad_id: int) -> dict:
@@ -121,9 +48,10 @@ def critic_step(critic: LevelCritic, micro: list[list[Item]], gamma: float, tau:
 
 def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, collected_dir: Path, out: Path, advantages_out: Path,
            metrics_path: Path, curve_path: Path) -> dict:
-    cfg, compat = params.step_hrl.critic, params.step_hrl.repo_compat
+    hrl = section(params)
+    cfg, compat = hrl.critic, hrl.compat_critic
     torch.manual_seed(cfg.seed)
-    sets = training_sets(params, data_dir, collected_dir)
+    sets = {role: rows for role, rows in training_sets(params, data_dir, collected_dir).items() if role in hrl.levels_with_critic}
     if read_roles(policy_dir)["adapters"] == "separate":
         policy_dir = policy_dir / "low"
     if compat:  # heads on the BC policy's frozen features
@@ -132,7 +60,7 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, col
         lm, tok = load_policy(base_dir, params.model, adapter=policy_dir, trainable=True)
     else:
         lm, tok = load_policy(base_dir, params.model)
-    model = LevelCritic(lm, frozen=compat)
+    model = LevelCritic(lm, frozen=compat, levels=tuple(sets))
     items = critic_items(role_builder(params, tok), sets)
     tau = 0.05 if compat else cfg.expectile
     start = time.perf_counter()
@@ -163,9 +91,9 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, col
         "q_loss": last_epoch_mean(curve, "q_loss"),
         "first_loss": curve[0]["loss"],
         "expectile": tau,
-        **{f"{role}_transitions": len(sets[role]) for role in ROLES},
-        **{f"{role}_advantage_mean": _mean([r["advantage"] for r in rows if r["level"] == role]) for role in ROLES},
-        **{f"{role}_v_mean": _mean([r["v"] for r in rows if r["level"] == role]) for role in ROLES},
+        **{f"{role}_transitions": len(sets[role]) for role in sets},
+        **{f"{role}_advantage_mean": _mean([r["advantage"] for r in rows if r["level"] == role]) for role in sets},
+        **{f"{role}_v_mean": _mean([r["v"] for r in rows if r["level"] == role]) for role in sets},
         "train_seconds": elapsed,
         **placement(model),
     }

@@ -1,4 +1,4 @@
-"""`evaluate` (STEP-HRL): greedy hierarchical episodes of a policy on the evaluation splits, with the
+"""`evaluate` (hierarchical methods): greedy hierarchical episodes of a policy on the evaluation splits, with the
 tokens each role read and wrote per episode, subtasks per episode and how subtasks ended."""
 
 from __future__ import annotations

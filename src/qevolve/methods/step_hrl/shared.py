@@ -1,4 +1,6 @@
-"""What STEP-HRL's stages share: the roles file saved with a policy, the prompts' token ids, the agent."""
+"""What the hierarchical stages share: the roles file saved with a policy, the prompts' token ids, the
+agent. These stages (annotate, bc, collect, critic, evaluate) serve every hierarchical method (STEP-HRL,
+Multi²), each reading the section named after its method (`qevolve.methods.step_hrl.config.section`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from qevolve.data.store import _read_checked
 from qevolve.data.transitions import read_transitions
 from qevolve.errors import artifact
 from qevolve.hierarchy.agent import HierarchicalAgent
-from qevolve.hierarchy.roles import ROLES, RolePrompts
+from qevolve.methods.step_hrl.config import section
+from qevolve.hierarchy.roles import ROLES, RolePrompts, encode  # noqa: F401 - encode: the stages' import point
 from qevolve.models.policy import load_policy, use_adapter
 from qevolve.models.prompt import PromptBuilder
 
@@ -23,8 +26,9 @@ ADVANTAGES = "advantages.parquet"
 ADVANTAGE_SCHEMA = pa.schema([("trajectory_id", pa.string()), ("level", pa.string()), ("step", pa.int32()), ("advantage", pa.float64()),
                               ("v", pa.float64()), ("q", pa.float64())], metadata={b"qevolve.schema_version": b"1"})
 ROLES_FILE = "roles.json"
-"""Saved beside a policy's adapter: the environment, whether it keeps progress, the subtasks its high
-level chooses among and whether its roles share one adapter, so acting uses what training used."""
+"""Saved beside a policy's adapter: the environment, whether it keeps progress, whether its low level reads
+the subtask's history, the subtasks its high level chooses among and whether its roles share one adapter,
+so acting uses what training used."""
 
 
 def role_builder(params, tokenizer) -> PromptBuilder:
@@ -32,15 +36,16 @@ def role_builder(params, tokenizer) -> PromptBuilder:
     return PromptBuilder(tokenizer, params.model.context_tokens, max_observation_tokens=params.prompt.max_observation_tokens, intro="")
 
 
-def encode(builder: PromptBuilder, state_text: str, output_text: str) -> tuple[list[int], list[int]]:
-    """(ids, mask) of one role call: its prompt, then its output (the mask's 1s) and end-of-turn marker."""
-    prompt = builder.head_ids + builder.user_turn(state_text)
-    output = builder.action_ids(output_text)
-    return prompt + output, [0] * len(prompt) + [1] * len(output)
+def role_prompts(params, builder: PromptBuilder, progress: bool | None = None, history: bool | None = None) -> RolePrompts:
+    """The roles' prompts for this environment: the method section's `progress` and `history`, unless given
+    (acting reads them from the policy's roles file)."""
+    cfg = section(params)
+    return RolePrompts(params.env.name, cfg.progress if progress is None else progress, builder.clip,
+                       cfg.history if history is None else history)
 
 
-def write_roles(folder: Path, env: str, progress: bool, subtasks: list[str], adapters: str) -> None:
-    roles = {"env": env, "progress": progress, "subtasks": subtasks, "adapters": adapters}
+def write_roles(folder: Path, prompts: RolePrompts, subtasks: list[str], adapters: str) -> None:
+    roles = {"env": prompts.env, "progress": prompts.progress, "history": prompts.history, "subtasks": subtasks, "adapters": adapters}
     (folder / ROLES_FILE).write_text(json.dumps(roles, indent=1) + "\n")
 
 
@@ -56,17 +61,19 @@ def read_roles(policy_dir: Path) -> dict:
     return roles
 
 
-def role_names(adapters: str) -> tuple[str, ...]:
-    """The adapters of a policy with `adapters` shared or separate: `load_policy`'s `names`."""
-    return ROLES if adapters == "separate" else ()
+def role_names(adapters: str, progress: bool = True) -> tuple[str, ...]:
+    """The adapters of a policy with `adapters` shared or separate (none for the progress role of a policy
+    that keeps no progress): `load_policy`'s `names`."""
+    return tuple(r for r in ROLES if progress or r != "progress") if adapters == "separate" else ()
 
 
 def load_roles_policy(params, base_dir: Path, policy_dir: Path, trainable: bool = False):
     """(model, tokenizer, separate) of the policy at `policy_dir`, with the adapters its roles file names;
     with separate ones, `use_adapter(model, role)` picks a role's."""
-    adapters = read_roles(policy_dir)["adapters"]
-    model, tok = load_policy(base_dir, params.model, adapter=policy_dir, trainable=trainable, names=role_names(adapters))
-    return model, tok, adapters == "separate"
+    roles = read_roles(policy_dir)
+    names = role_names(roles["adapters"], roles["progress"])
+    model, tok = load_policy(base_dir, params.model, adapter=policy_dir, trainable=trainable, names=names)
+    return model, tok, bool(names)
 
 
 def role_groups(model, mb: list, separate: bool):
@@ -89,10 +96,16 @@ def make_agent(params, base_dir: Path, policy_dir: Path, temperature: float) -> 
     if roles["env"] != params.env.name:
         raise artifact(Path(policy_dir) / ROLES_FILE, f"the policy was trained on {roles['env']!r}, not env.name {params.env.name!r}")
     model, tok, separate = load_roles_policy(params, base_dir, policy_dir)
+    return agent_of(params, model, tok, separate, roles, temperature)
+
+
+def agent_of(params, model, tok, separate: bool, roles: dict, temperature: float) -> HierarchicalAgent:
+    """The hierarchical agent acting with `model` (its role adapters switched per call when `separate`) as
+    the roles file `roles` says."""
     builder = role_builder(params, tok)
-    cfg = params.step_hrl
+    cfg = section(params)
     return HierarchicalAgent(
-        dict.fromkeys(ROLES, model), tok, builder, RolePrompts(params.env.name, roles["progress"], builder.clip),
+        dict.fromkeys(ROLES, model), tok, builder, role_prompts(params, builder, roles["progress"], roles.get("history", False)),
         activate=(lambda role: use_adapter(model, role)) if separate else None,
         mode=params.policy.action_mode, high_mode=cfg.high_mode, subtasks=roles["subtasks"], temperature=temperature,
         max_new_tokens=params.policy.max_new_tokens, progress_tokens=cfg.progress_tokens, max_subtask_steps=cfg.max_subtask_steps,
@@ -114,9 +127,9 @@ def mix(expert: list[dict], collected: list[dict], collected_per_expert: float, 
 
 def training_sets(params, data_dir: Path, collected_dir: Path) -> dict[str, list[dict]]:
     """Per level, the expert transitions (`annotate`) and the collected ones (`collect@k`) mixed at
-    `step_hrl.collected_per_expert`, drawn with `step_hrl.critic.seed`: what `critic@k` and `policy@k` train on."""
+    `<method>.collected_per_expert`, drawn with `<method>.critic.seed`: what `critic@k` and `policy@k` train on."""
     expert, collected = read_transitions(data_dir), read_transitions(Path(collected_dir) / COLLECTED)
-    cfg = params.step_hrl
+    cfg = section(params)
     return {role: mix(expert[role], collected[role], cfg.collected_per_expert, cfg.critic.seed) for role in ROLES}
 
 

@@ -1,0 +1,120 @@
+"""A step-level critic for a hierarchical policy: a backbone (the critic's own LoRA adapter, or a policy's
+frozen features) and, per level, V and Q heads with a Polyak target Q. `critic@k` trains it (STEP-HRL's
+levels, or Multi²'s System 2); Multi²'s actor scores sampled outputs with it (`advantages_of`)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from qevolve.errors import artifact
+from qevolve.hierarchy.roles import ROLES, encode
+from qevolve.models.base import causal_lm
+from qevolve.models.device import model_device
+from qevolve.models.policy import load_policy
+from qevolve.training import pad_ids
+
+
+class LevelCritic(nn.Module):
+    """A backbone and, per level, V and Q heads and a target Q head (Polyak-averaged, no gradient)."""
+
+    def __init__(self, lm, frozen: bool, levels: tuple[str, ...] = ROLES):
+        super().__init__()
+        self.lm, self.frozen = lm, frozen
+        hidden = causal_lm(lm).config.hidden_size
+        self.v = nn.ModuleDict({role: nn.Linear(hidden, 1) for role in levels})
+        self.q = nn.ModuleDict({role: nn.Linear(hidden, 1) for role in levels})
+        for head in [*self.v.values(), *self.q.values()]:
+            nn.init.zeros_(head.weight)
+            nn.init.zeros_(head.bias)
+        self.q_target = copy.deepcopy(self.q).requires_grad_(False)
+        self.checkpoint_extra = tuple(n for n, _ in self.named_parameters() if n.startswith("q_target."))
+        if frozen:
+            lm.requires_grad_(False)
+        self.to(next(lm.parameters()).device)
+
+    def features(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        backbone = causal_lm(self.lm).base_model
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
+            return backbone(input_ids=ids, attention_mask=attn).last_hidden_state.float()
+
+    @torch.no_grad()
+    def update_target(self, rate: float) -> None:
+        for role in self.q:
+            for t, p in zip(self.q_target[role].parameters(), self.q[role].parameters()):
+                t.lerp_(p, rate)
+
+
+@dataclass
+class Item:
+    role: str
+    key: tuple[str, str, int]
+    """(trajectory_id, role, step): which transition."""
+    ids: list[int]
+    """The state's prompt followed by the output."""
+    state_end: int
+    next_ids: list[int]
+    reward: float
+    done: bool
+
+
+def critic_items(builder, sets: dict[str, list[dict]]) -> list[Item]:
+    items = []
+    for role, rows in sets.items():
+        for r in rows:
+            ids, mask = encode(builder, r["state_text"], r["output_text"])
+            next_ids = builder.head_ids + builder.user_turn(r["next_state_text"])
+            items.append(Item(role, (r["trajectory_id"], role, r["step"]), ids, mask.index(1) - 1, next_ids, r["reward"], r["done"]))
+    return items
+
+
+def values(critic: LevelCritic, mb: list[Item], pad_id: int) -> dict[str, torch.Tensor]:
+    """V(s), Q(s, a), target Q(s, a) and V(s') of every item, from one pass over its two sequences."""
+    device = model_device(critic)
+    ids, attn = pad_ids([it.ids for it in mb] + [it.next_ids for it in mb], pad_id, device)
+    h = critic.features(ids, attn)
+    n = len(mb)
+    rows = torch.arange(n, device=device)
+    h_s = h[rows, torch.tensor([it.state_end for it in mb], device=device)]
+    h_sa = h[rows, torch.tensor([len(it.ids) - 1 for it in mb], device=device)]
+    h_next = h[rows + n, torch.tensor([len(it.next_ids) - 1 for it in mb], device=device)]
+    out: dict[str, list] = {"v": [], "q": [], "q_target": [], "v_next": []}
+    for b, it in enumerate(mb):
+        out["v"].append(critic.v[it.role](h_s[b]))
+        out["q"].append(critic.q[it.role](h_sa[b]))
+        out["q_target"].append(critic.q_target[it.role](h_sa[b]))
+        out["v_next"].append(critic.v[it.role](h_next[b]))
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+def advantages_of(critic: LevelCritic, level: str, prompts: list[list[int]], outputs: list[list[int]], pad_id: int) -> torch.Tensor:
+    """A(s, a) = Q(s, a) - V(s) of each (prompt, output) pair at `level`, from one pass over prompt + output."""
+    device = model_device(critic)
+    ids, attn = pad_ids([p + o for p, o in zip(prompts, outputs)], pad_id, device)
+    h = critic.features(ids, attn)
+    rows = torch.arange(len(prompts), device=device)
+    h_s = h[rows, torch.tensor([len(p) - 1 for p in prompts], device=device)]
+    h_sa = h[rows, torch.tensor([len(p) + len(o) - 1 for p, o in zip(prompts, outputs)], device=device)]
+    return (critic.q[level](h_sa) - critic.v[level](h_s)).squeeze(-1)
+
+
+def load_critic(params, base_dir: Path, critic_dir: Path, levels: tuple[str, ...], trainable: bool = False) -> LevelCritic:
+    """The critic `critic@k` wrote at `critic_dir` (its adapter and heads): frozen with the adapter merged,
+    for scoring, or `trainable` to train on."""
+    from safetensors.torch import load_file
+
+    lm, _ = load_policy(base_dir, params.model, adapter=critic_dir, trainable=trainable)
+    model = LevelCritic(lm, frozen=not trainable, levels=levels)
+    heads = Path(critic_dir) / "heads.safetensors"
+    try:
+        missing, unexpected = model.load_state_dict(load_file(str(heads)), strict=False)
+    except Exception as err:  # noqa: BLE001 - safetensors raises several kinds for a cut file
+        raise artifact(heads, f"cannot load the critic's heads ({type(err).__name__}: {str(err)[:200]})") from err
+    wrong = [n for n in missing if not n.startswith("lm.")] + list(unexpected)
+    if wrong:
+        raise artifact(heads, f"the critic's heads do not match levels {list(levels)}: {wrong[:4]}")
+    return model if trainable else model.eval()

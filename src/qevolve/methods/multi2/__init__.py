@@ -1,0 +1,54 @@
+"""Multi² (arXiv 2606.03698): a System-1 planner and a System-2 executor on one base, each with its own
+adapter. The expert trajectories are cut into subgoal segments (`annotate`); System 1 is cloned on
+(task, observation) -> subgoal and System 2 on (subgoal, the segment's turns) -> `<action>; done` (`bc`).
+Iteration 1 is the offline phase: it collects the hierarchical policy's own episodes (`collect@1`), trains
+System 2's critic on expert + collected segments (`critic@1`: Q toward r + gamma V(s'), V by expectile
+toward the target Q) and updates System 2 by the policy-anchored actor (`policy@1`). Each later iteration
+is the online phase (`online@k`): rounds of hierarchical episodes into a persistent replay buffer, each
+followed by critic and actor updates with a KL anchor to the offline policy. System 1 stays as cloned.
+
+The hierarchy's stages are STEP-HRL's (`qevolve.methods.step_hrl.hierarchical_stages`) reading the
+`multi2` section; `policy@1` and `online@k` are Multi²'s own."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pathlib import Path
+
+from qevolve import paths
+from qevolve.methods.multi2.config import SECTIONS  # its sections: their defaults are a dep of every stage of the method
+from qevolve.methods.step_hrl import ANNOTATED, acting, base, experts, hierarchical_stages, offline_data
+from qevolve.recipe import ACTING_PARAMS, BUILDER_PARAMS, MODEL_PARAMS, Recipe, Stage
+
+STAGES = hierarchical_stages("multi2")
+OFFLINE = (lambda k: k == 1)
+"""Iteration 1 is the offline phase, every later one the online phase."""
+
+
+def buffer(k: int) -> Path:
+    """The replay buffer after `online@k` (named after its stage)."""
+    return Path(f"data/online@{k}")
+
+
+def _iteration(params) -> tuple[Stage, ...]:
+    return (
+        replace(STAGES["collect"], at=OFFLINE), replace(STAGES["critic"], at=OFFLINE),
+        Stage("policy", f"{__name__}.policy",
+              lambda k: {"base_dir": paths.BASE, "previous_dir": paths.policy(k - 1), "critic_dir": paths.critic(k), "data_dir": ANNOTATED,
+                         "collected_dir": paths.collected(k), "advantage_dir": paths.advantages(k)},
+              lambda k: {"out": paths.policy(k)},
+              (*MODEL_PARAMS, *BUILDER_PARAMS, *offline_data("multi2"), "policy.max_new_tokens", "multi2.policy"), curve=("step", "loss"),
+              at=OFFLINE),
+        Stage("online", f"{__name__}.online",
+              lambda k: {"base_dir": paths.BASE, "previous_dir": paths.policy(k - 1), "anchor_dir": paths.policy(1), "critic_dir": paths.critic(k - 1),
+                         "seed_dir": ANNOTATED if k == 2 else buffer(k - 1), "previous_metrics": RECIPE.steps_before(k - 1)},
+              lambda k: {"out": paths.policy(k), "critic_out": paths.critic(k), "buffer_out": buffer(k)},
+              (*ACTING_PARAMS, *acting("multi2"), "policy.temperature", "multi2.critic", "multi2.online"), curve=("round", "success_rate"),
+              takes_iteration=True, at=lambda k: k >= 2),
+    )
+
+
+RECIPE = Recipe("multi2", _iteration, plays=lambda k: "collect" if k == 1 else "online", setup=(experts, base, STAGES["annotate"], STAGES["bc"]),
+                evaluate_module="qevolve.methods.step_hrl.evaluate", evaluate_params=acting("multi2"))
+__all__ = ["RECIPE", "SECTIONS"]

@@ -1,0 +1,136 @@
+"""`policy@k` (Multi²): System 2's offline actor with the policy-anchored term (arXiv 2606.03698, Phase 2).
+
+Per low-level transition (expert and collected, mixed as for `critic@k`): the data's output a with its
+advantage A(o, a) from `critic@k`, and an output â the current policy samples for the same prompt in the
+same optimiser step, scored by the critic as A(o, â) = Q(o, â) - V(o). The loss is
+`qevolve.algos.rl.anchored_awr_loss`: -mean(min(exp(beta A(o, a)), max_weight) log pi(a | o)) -
+lam * mean(A(o, â) log pi(â | o)), log-likelihoods length-normalised per output. â is written by the
+policy (free text) in either action mode: the transition store keeps the prompt, not the admissible
+list. System 1 (the high role) is not updated; with separate adapters only System 2's changes."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from qevolve.algos.losses import sequence_logprobs
+from qevolve.algos.rl import anchored_awr_loss
+from qevolve.config import Params
+from qevolve.data.atomic import atomic_dir, write_json
+from qevolve.errors import artifact
+from qevolve.hierarchy.critic import advantages_of, load_critic
+from qevolve.hierarchy.roles import parse_low
+from qevolve.methods.step_hrl.shared import ROLES_FILE, encode, load_roles_policy, read_advantages, role_builder, training_sets
+from qevolve.models.backend import HFBackend
+from qevolve.models.device import model_device, placement
+from qevolve.models.policy import ActionLineStop, use_adapter
+from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train
+
+LEVEL = "low"
+"""System 2, the role this stage trains."""
+
+Item = tuple[list[int], list[int], float]
+"""(the state's prompt ids, the data's output ids, its advantage)."""
+
+
+class Sampler:
+    """Outputs the current policy writes for prompts: each prompt's own seed, drawn from torch's RNG (which
+    `train` checkpoints), so a resumed run samples what the uninterrupted one did."""
+
+    def __init__(self, model, tokenizer, builder, max_new_tokens: int, temperature: float):
+        self.model, self.tok, self.builder = model, tokenizer, builder
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.stop = ActionLineStop(tokenizer, builder.end_ids or [tokenizer.eos_token_id])
+
+    def __call__(self, prompts: list[list[int]]) -> list[str]:
+        seeds = torch.randint(2**31 - 1, (len(prompts),)).tolist()
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = HFBackend(self.model, self.tok.pad_token_id, reuse=False).generate(
+                list(range(len(prompts))), prompts, max_new_tokens=self.max_new_tokens, stop=self.stop, greedy=False,
+                temperature=self.temperature, seeds=seeds)
+        finally:
+            self.model.train(was_training)
+        return [(self.tok.decode(t, skip_special_tokens=True).strip().splitlines() or [""])[0].strip() for t, _ in out]
+
+
+def anchored_step(model, critic, sampler: Sampler, micro: list[list[Item]], cfg, pad_id: int, separate: bool) -> dict:
+    """Forward and backward of one optimiser step; each micro-batch samples its â and weighs its share."""
+    total = sum(len(mb) for mb in micro)
+    device = model_device(model)
+    if separate:
+        use_adapter(model, LEVEL)
+    sums = {"loss": 0.0, "awr": 0.0, "anchored": 0.0, "logp": 0.0, "sampled_advantage": 0.0, "sampled_parsed": 0.0}
+    for mb in micro:
+        prompts = [p for p, _, _ in mb]
+        sampled = sampler(prompts)
+        sampled_ids = [sampler.builder.action_ids(text) for text in sampled]
+        with torch.no_grad():
+            adv_pi = advantages_of(critic, LEVEL, prompts, sampled_ids, pad_id).to(device)
+        seqs = [p + o for p, o, _ in mb] + [p + o for p, o in zip(prompts, sampled_ids)]
+        ids, attn = pad_ids(seqs, pad_id, device)
+        mask, _ = pad_ids([[0] * len(p) + [1] * len(o) for p, o, _ in mb] + [[0] * len(p) + [1] * len(o) for p, o in zip(prompts, sampled_ids)],
+                          0, device)
+        logp = sequence_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids, mask)
+        n = len(mb)
+        adv = torch.tensor([a for *_, a in mb], device=device)
+        loss, awr, anchored = anchored_awr_loss(logp[:n], adv, logp[n:], adv_pi, beta=cfg.beta, max_weight=cfg.max_weight, lam=cfg.lam,
+                                                relu=cfg.relu)
+        share = n / total
+        (loss * share).backward()
+        sums["loss"] += loss.item() * share
+        sums["awr"] += awr.item() * share
+        sums["anchored"] += anchored.item() * share
+        sums["logp"] += logp[:n].detach().sum().item() / total
+        sums["sampled_advantage"] += adv_pi.sum().item() / total
+        sums["sampled_parsed"] += sum(parse_low(text)[0] is not None for text in sampled) / total
+    return sums
+
+
+def policy(params: Params, base_dir: Path, previous_dir: Path, critic_dir: Path, data_dir: Path, collected_dir: Path, advantage_dir: Path,
+           out: Path, metrics_path: Path, curve_path: Path) -> dict:
+    cfg = params.multi2.policy
+    rows = training_sets(params, data_dir, collected_dir)[LEVEL]
+    if not rows:
+        raise ValueError(f"{data_dir}, {collected_dir}: no System 2 transitions to train on")
+    advantages = read_advantages(advantage_dir)
+    model, tok, separate = load_roles_policy(params, base_dir, previous_dir, trainable=True)
+    critic = load_critic(params, base_dir, critic_dir, (LEVEL,))
+    builder = role_builder(params, tok)
+    items = []
+    for r in rows:
+        key = (r["trajectory_id"], LEVEL, r["step"])
+        if key not in advantages:
+            raise artifact(Path(advantage_dir), f"no advantage for {LEVEL} transition {key[0]} step {key[2]}: it was written for other data")
+        ids, mask = encode(builder, r["state_text"], r["output_text"])
+        start = mask.index(1)
+        items.append((ids[:start], ids[start:], advantages[key]))
+    sampler = Sampler(model, tok, builder, params.policy.max_new_tokens, cfg.temperature)
+    weights = torch.exp(cfg.beta * torch.tensor([a for *_, a in items])).clamp(max=cfg.max_weight)
+    start = time.perf_counter()
+    curve = train(model, items, cfg, lambda it: 2 * len(it[0]) + len(it[1]) + params.policy.max_new_tokens,
+                  lambda micro: anchored_step(model, critic, sampler, micro, cfg, tok.pad_token_id, separate), "policy",
+                  checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, critic_dir, data_dir, collected_dir, advantage_dir))
+    elapsed = time.perf_counter() - start
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        shutil.copy(previous_dir / ROLES_FILE, tmp / ROLES_FILE)
+    metrics = {
+        "loss": last_epoch_mean(curve, "loss"),
+        "first_loss": curve[0]["loss"],
+        **{key: last_epoch_mean(curve, key) for key in ("awr", "anchored", "logp", "sampled_advantage", "sampled_parsed")},
+        "first_logp": curve[0]["logp"],
+        "examples": len(items),
+        "weight_mean": float(weights.mean()),
+        "weight_clipped": float((weights >= cfg.max_weight).float().mean()),
+        "train_seconds": elapsed,
+        **placement(model),
+    }
+    write_json(metrics_path, metrics)
+    write_json(curve_path, curve)
+    checkpoint_path(out).unlink(missing_ok=True)  # the artifact is complete
+    return metrics

@@ -1,0 +1,224 @@
+"""Multi²: the executor's segment context, GLIDER's rewards, the critic's A(o, â), the anchored actor, and the
+recipe end to end on TextCraft."""
+
+import pytest
+import torch
+
+from qevolve import paths
+from qevolve.config import ConfigError, parse_params
+from qevolve.data.store import StepRecord, Trajectory
+from qevolve.data.transitions import read_transitions
+from qevolve.hierarchy.annotators import Label
+from qevolve.hierarchy.roles import FINISHED, RolePrompts, transitions
+from qevolve.models.policy import load_policy
+from qevolve.rollout import episode_metrics
+from qevolve.stages import iteration_stages, pipeline, run_stage
+from tests.test_env_pipelines import _tiny
+
+ONLINE = {"env_steps": 8, "episodes_per_round": 2, "updates_per_round": 2, "batch_size": 4, "lr": 1e-3, "critic_lr": 1e-3}
+
+
+def _traj(actions, valid=None) -> Trajectory:
+    valid = valid or [True] * len(actions)
+    steps = [StepRecord(step=i, observation=f"obs {i}", output=f"Action: {a}", action=a, next_observation=f"obs {i + 1}",
+                        reward=1.0 if i == len(actions) - 1 else 0.0, done=i == len(actions) - 1, won=i == len(actions) - 1, valid=v)
+             for i, (a, v) in enumerate(zip(actions, valid))]
+    return Trajectory("t1", "goal", "depth2", "train", "expert", "craft a stick.", won=True, steps=steps)
+
+
+def test_the_executor_reads_its_subgoals_turns_and_gets_glider_rewards():
+    t = _traj(["get 1 oak log", "craft 4 oak planks using 1 oak log", "look", "craft 4 stick using 2 oak planks"], valid=[True, True, False, True])
+    labels = [Label(0, "craft 4 oak planks", "p", False), Label(0, "craft 4 oak planks", "p", True),
+              Label(1, "craft 4 stick", "p", False), Label(1, "craft 4 stick", "p", True)]
+    sets = transitions(t, labels, RolePrompts("textcraft", progress=False, history=True), rejected_penalty=0.0)
+    low = sets["low"]
+    assert not sets["progress"] and [x.reward for x in low] == [0.0, 1.0, 0.0, 1.0]  # 1 at each subgoal's end, no rejection penalty
+    assert [x.done for x in low] == [False, True, False, True] and low[3].next_state_text == FINISHED
+    # the second step reads the first step's turn; a new subgoal starts with no turns
+    assert "Observation: obs 0\nAction: get 1 oak log\nCurrent observation: obs 1" in low[1].state_text
+    assert "Observation:" not in low[2].state_text and "Local progress" not in low[2].state_text
+    assert "Observation: obs 2\nAction: look\nCurrent observation: obs 3" in low[3].state_text
+    assert low[0].next_state_text == low[1].state_text  # the next state carries the turn just taken
+    # STEP-HRL's prompts (no history) and its rewards (-1 for the rejected `look`) from the same labels
+    step = transitions(t, labels, RolePrompts("textcraft", progress=False))["low"]
+    assert "Observation:" not in step[1].state_text and [x.reward for x in step] == [0.0, 1.0, -1.0, 1.0]
+
+
+def test_repeated_actions_and_successes_by_type_are_counted():
+    a, b = _traj(["get 1 oak log", "get 1 oak log", "craft 4 oak planks using 1 oak log"]), _traj(["look"])
+    b.task_type, b.won = "depth3", False
+    m = episode_metrics([a, b])
+    assert m["repeated_rate"] == pytest.approx(1 / 4) and m["by_type"] == {"depth2": {"episodes": 1, "won": 1}, "depth3": {"episodes": 1, "won": 0}}
+
+
+def test_multi2_settings_default_to_the_paper_and_are_checked():
+    params = parse_params({"method": "multi2"})
+    cfg = params.multi2
+    assert (cfg.adapters, cfg.progress, cfg.history, cfg.high_mode, cfg.max_subtask_steps, cfg.rejected_penalty) == ("separate", False, True, "free", 32, 0.0)
+    assert (cfg.policy.beta, cfg.policy.max_weight, cfg.policy.lam, cfg.critic.gamma, cfg.critic.expectile) == (10.0, 20.0, 7.0, 0.99, 0.7)
+    with pytest.raises(ConfigError, match="multi2.llm_url: annotator `llm` needs the http"):
+        parse_params({"method": "multi2", "multi2": {"annotator": "llm", "llm_url": "localhost:8000"}})
+    with pytest.raises(ConfigError, match=r"multi2.adapters: the online phase .* `shared` gives it none"):
+        parse_params({"method": "multi2", "multi2": {"adapters": "shared"}, "evolve": {"iterations": 2}})
+    with pytest.raises(ConfigError, match=r"multi2.policy.lamb"):
+        parse_params({"method": "multi2", "multi2": {"policy": {"lamb": 1.0}}})
+
+
+def test_the_critic_scores_a_state_action_pair_as_q_minus_v():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from qevolve.hierarchy.critic import LevelCritic, advantages_of
+    from qevolve.models.base import causal_lm
+
+    torch.manual_seed(0)
+    lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1))
+    critic = LevelCritic(lm, frozen=True, levels=("low",))
+    for head in (critic.v["low"], critic.q["low"]):
+        torch.nn.init.normal_(head.weight)
+    prompts, outputs = [[1, 2, 3], [4, 5]], [[6], [7, 8, 9]]
+    adv = advantages_of(critic, "low", prompts, outputs, pad_id=0)
+    for b, (p, o) in enumerate(zip(prompts, outputs)):
+        h = causal_lm(lm).base_model(input_ids=torch.tensor([p + o])).last_hidden_state[0]
+        expected = critic.q["low"](h[len(p) + len(o) - 1]) - critic.v["low"](h[len(p) - 1])
+        assert torch.allclose(adv[b], expected.squeeze(), atol=1e-5)
+
+
+def test_multi2_recipe_runs_end_to_end_on_textcraft(tmp_path, monkeypatch):
+    raw = _tiny("textcraft", tmp_path)
+    raw["method"] = "multi2"
+    raw["multi2"] = {"critic": {"epochs": 1, "batch_size": 4}, "policy": {"epochs": 2, "batch_size": 4, "lr": 1e-3}, "online": ONLINE}
+    raw["evolve"] = {"iterations": 2}
+    params = parse_params(raw)
+    assert iteration_stages(params, 1) == ("collect", "critic", "policy", "evaluate") and iteration_stages(params, 2) == ("online", "evaluate")
+    assert [f"{s}@{k}" if k is not None else s for s, k in pipeline(params, 2)] == [
+        "experts", "base", "annotate", "bc", "evaluate@0", "collect@1", "critic@1", "policy@1", "evaluate@1", "online@2", "evaluate@2"]
+    monkeypatch.chdir(tmp_path)
+    metrics = {f"{s}@{k}" if k is not None else s: run_stage(s, params, k) for s, k in pipeline(params, 2)}
+    assert metrics["annotate"]["progress_transitions"] == 0 and metrics["annotate"]["low_transitions"] == metrics["experts"]["cumulative_env_steps"]
+    assert metrics["bc"]["loss"] < metrics["bc"]["first_loss"] and metrics["bc"]["adapters"] == "separate"
+    assert metrics["critic@1"]["q_loss"] > 0 and "high_v_mean" not in metrics["critic@1"], "Multi² trains System 2's critic only"
+    p = metrics["policy@1"]
+    assert p["logp"] > p["first_logp"] and p["anchored"] != 0 and 0 <= p["sampled_parsed"] <= 1
+    names = ("high", "low")
+    assert sorted(f.name for f in (tmp_path / paths.BC).iterdir() if f.is_dir()) == list(names)  # no progress adapter
+    bc = load_policy(paths.BASE, params.model, adapter=paths.BC, trainable=True, names=names)[0].state_dict()
+    updated = load_policy(paths.BASE, params.model, adapter=paths.policy(1), trainable=True, names=names)[0].state_dict()
+    changed = {name for name in names if any(not torch.equal(updated[n], bc[n]) for n in bc if f".{name}." in n)}
+    assert changed == {"low"}, "policy@1 trains System 2 only; System 1 stays as cloned"
+    # online@2: the buffer starts with the won expert segments and keeps the new ones worth keeping; only System 2 moves
+    o = metrics["online@2"]
+    assert o["rounds"] >= 1 and o["env_steps"] >= ONLINE["env_steps"] // 2 and o["kl"] >= 0 and o["buffer_segments"] >= metrics["annotate"]["high_transitions"]
+    assert metrics["evaluate@2"]["test"]["cumulative_env_steps"] == metrics["collect@1"]["cumulative_env_steps"] + o["env_steps"]
+    online = load_policy(paths.BASE, params.model, adapter=paths.policy(2), trainable=True, names=names)[0].state_dict()
+    assert {name for name in names if any(not torch.equal(online[n], updated[n]) for n in updated if f".{name}." in n)} == {"low"}
+    assert len(read_transitions(tmp_path / "data" / "online@2")["low"]) >= len(read_transitions(tmp_path / "data" / "annotate")["low"])  # every demo won
+    for k in (0, 1, 2):
+        m = metrics[f"evaluate@{k}"]["test"]
+        assert m["episodes"] == 2 and m["high_tokens_per_episode"] > 0 and m["progress_tokens_per_episode"] == 0
+        assert sum(v["episodes"] for v in m["by_type"].values()) == 2 and 0 <= m["repeated_rate"] <= 1
+
+    # A cut critic heads file names the file and the stage that wrote it; the policy already written stays.
+    import shutil
+
+    written = (tmp_path / paths.policy(1) / "low" / "adapter_model.safetensors").read_bytes()
+    (tmp_path / paths.critic(1) / "heads.safetensors").write_bytes(b"cut")
+    with pytest.raises(Exception, match=r"models/critic@1/heads.safetensors: cannot load the critic's heads .* stage `critic@1`"):
+        run_stage("policy", params, 1)
+    assert (tmp_path / paths.policy(1) / "low" / "adapter_model.safetensors").read_bytes() == written
+    # System 1's adapter missing: the error names its folder and the stage that wrote it.
+    shutil.rmtree(tmp_path / paths.BC / "high")
+    with pytest.raises(Exception, match=r"models/bc/high: cannot load the LoRA adapter .* stage `bc`"):
+        run_stage("evaluate", params, 0)
+
+
+def test_a_killed_multi2_actor_resumes_to_the_same_adapter(tmp_path, monkeypatch):
+    import qevolve.methods.multi2.policy as policy_module
+
+    raw = _tiny("textcraft", tmp_path)
+    raw.update(method="multi2", multi2={"critic": {"epochs": 1, "batch_size": 4}, "policy": {"epochs": 2, "batch_size": 4, "checkpoint_every": 1}})
+    params = parse_params(raw)
+    monkeypatch.chdir(tmp_path)
+    for stage, k in pipeline(params, 1)[:7]:  # up to critic@1
+        run_stage(stage, params, k)
+    run_stage("policy", params, 1)
+    adapter = (tmp_path / paths.policy(1) / "low" / "adapter_model.safetensors").read_bytes()
+    real, calls = policy_module.anchored_step, []
+
+    def dies_at_step_three(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(policy_module, "anchored_step", dies_at_step_three)
+    with pytest.raises(KeyboardInterrupt):
+        run_stage("policy", params, 1)
+    assert (tmp_path / "models" / ".policy@1.checkpoint").exists()
+    monkeypatch.setattr(policy_module, "anchored_step", real)
+    run_stage("policy", params, 1)
+    assert (tmp_path / paths.policy(1) / "low" / "adapter_model.safetensors").read_bytes() == adapter, "the resumed actor sampled or stepped differently"
+
+
+def test_a_killed_online_phase_resumes_to_the_same_adapter_critic_and_buffer(tmp_path, monkeypatch):
+    import qevolve.methods.multi2.online as online_module
+
+    raw = _tiny("textcraft", tmp_path)
+    raw.update(method="multi2", evolve={"iterations": 2},
+               multi2={"critic": {"epochs": 1, "batch_size": 4}, "policy": {"epochs": 1, "batch_size": 4}, "online": {**ONLINE, "env_steps": 16}})
+    params = parse_params(raw)
+    monkeypatch.chdir(tmp_path)
+    for stage, k in pipeline(params, 2)[:9]:  # up to evaluate@1
+        run_stage(stage, params, k)
+    outputs = (paths.policy(2) / "low" / "adapter_model.safetensors", paths.critic(2) / "heads.safetensors")
+
+    def buffer():  # episodes get fresh ids when played again; everything else must be the same
+        return [{k: v for k, v in r.items() if k != "trajectory_id"} for r in read_transitions(tmp_path / "data" / "online@2")["low"]]
+
+    first = run_stage("online", params, 2)
+    assert first["rounds"] >= 2, "the test needs a kill between rounds"
+    done, segments = {p: (tmp_path / p).read_bytes() for p in outputs}, buffer()
+    real, calls = online_module.update, []
+
+    def dies_in_round_two(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == ONLINE["updates_per_round"] + 1:
+            raise KeyboardInterrupt("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(online_module, "update", dies_in_round_two)
+    with pytest.raises(KeyboardInterrupt):
+        run_stage("online", params, 2)
+    assert (tmp_path / "models" / ".policy@2.checkpoint").exists()
+    monkeypatch.setattr(online_module, "update", real)
+    again = run_stage("online", params, 2)
+    assert {p: (tmp_path / p).read_bytes() for p in outputs} == done, "the resumed online phase differs from the uninterrupted one"
+    assert buffer() == segments
+    assert again["env_steps"] == first["env_steps"] and again["kept_segments"] == first["kept_segments"]
+
+
+def test_the_replay_buffer_keeps_what_the_paper_keeps_and_a_corrupt_one_names_its_file(tmp_path):
+    import random
+
+    from qevolve.data.store import SchemaError
+    from qevolve.data.transitions import write_transitions
+    from qevolve.methods.multi2.online import load_buffer, push
+
+    won = [{"reward": 0.0}, {"reward": 1.0}]
+    failed = [{"reward": 0.0}, {"reward": 0.0}]
+    buffer = [[{"reward": 1.0}]]
+    assert push(buffer, [won, failed], size=10, keep_fail=0.0, rng=random.Random(0)) == 1 and buffer[-1] is won
+    assert push(buffer, [failed], size=10, keep_fail=1.0, rng=random.Random(0)) == 1 and buffer[-1] is failed
+    push(buffer, [won] * 9, size=10, keep_fail=0.0, rng=random.Random(0))
+    assert len(buffer) == 10 and buffer[0] is failed, "the two oldest segments left first"
+    # a buffer of an earlier iteration that lost a column
+    t = transitions(_traj(["get 1 oak log", "craft 4 oak planks using 1 oak log"]),
+                    [Label(0, "craft 4 oak planks", "p", False), Label(0, "craft 4 oak planks", "p", True)], RolePrompts("textcraft"))
+    write_transitions(tmp_path / "online@2", {"low": t["low"]}, len)
+    assert [len(seg) for seg in load_buffer(tmp_path / "online@2", 3, 10)] == [2]
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tmp_path / "online@2" / "low.parquet")
+    pq.write_table(table.drop(["reward"]).replace_schema_metadata(table.schema.metadata), tmp_path / "online@2" / "low.parquet")
+    with pytest.raises(SchemaError, match=r"online@2/low.parquet: missing column 'reward'"):
+        load_buffer(tmp_path / "online@2", 3, 10)
