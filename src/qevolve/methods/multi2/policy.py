@@ -22,8 +22,8 @@ from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.errors import artifact
 from qevolve.hierarchy.critic import advantages_of, load_critic
-from qevolve.hierarchy.roles import parse_low
-from qevolve.methods.step_hrl.shared import ROLES_FILE, encode, load_roles_policy, read_advantages, role_builder, training_sets
+from qevolve.hierarchy.roles import encode, parse_low
+from qevolve.methods.step_hrl.shared import ROLES_FILE, load_roles_policy, read_advantages, role_builder, training_sets
 from qevolve.models.backend import HFBackend
 from qevolve.models.device import model_device, placement
 from qevolve.models.policy import ActionLineStop, use_adapter

@@ -15,8 +15,8 @@ from qevolve.data.transitions import write_transitions
 from qevolve.envs import check_tasks, make_env
 from qevolve.hierarchy.annotators import llm_labels, rule_labels
 from qevolve.methods.step_hrl.config import section, section_name
-from qevolve.hierarchy.roles import ROLES, transitions
-from qevolve.methods.step_hrl.shared import encode, role_builder, role_prompts
+from qevolve.hierarchy.roles import ROLES, encode, transitions
+from qevolve.methods.step_hrl.shared import role_builder, role_prompts
 from qevolve.models.base import load_tokenizer
 
 

@@ -16,8 +16,8 @@ from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.transitions import read_transitions
 from qevolve.methods.step_hrl.config import section
-from qevolve.hierarchy.roles import ROLES
-from qevolve.methods.step_hrl.shared import encode, role_builder, role_groups, role_names, role_prompts, write_roles
+from qevolve.hierarchy.roles import ROLES, encode
+from qevolve.methods.step_hrl.shared import role_builder, role_groups, role_names, role_prompts, write_roles
 from qevolve.models.device import model_device, placement
 from qevolve.models.policy import load_policy
 from qevolve.training import (

@@ -17,8 +17,8 @@ from qevolve.algos.rl import advantage_pg_loss, awr_loss
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.errors import artifact
-from qevolve.hierarchy.roles import ROLES
-from qevolve.methods.step_hrl.shared import ROLES_FILE, encode, load_roles_policy, read_advantages, role_builder, role_groups, training_sets
+from qevolve.hierarchy.roles import ROLES, encode
+from qevolve.methods.step_hrl.shared import ROLES_FILE, load_roles_policy, read_advantages, role_builder, role_groups, training_sets
 from qevolve.models.device import model_device, placement
 from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train
 

@@ -15,7 +15,7 @@ from qevolve.data.transitions import read_transitions
 from qevolve.errors import artifact
 from qevolve.hierarchy.agent import HierarchicalAgent
 from qevolve.methods.step_hrl.config import section
-from qevolve.hierarchy.roles import ROLES, RolePrompts, encode  # noqa: F401 - encode: the stages' import point
+from qevolve.hierarchy.roles import ROLES, RolePrompts
 from qevolve.models.policy import load_policy, use_adapter
 from qevolve.models.prompt import PromptBuilder
 
