@@ -44,6 +44,9 @@ SEED_KEYS = {"bc.seed": 1, "collect.seed": 100, "critic.seed": 1, "policy.seed":
 iteration k already adds k to them). A key in a section named after a method (`step_hrl`, `multi2`) is set only in
 that method's workspaces."""
 SPLITS = ("valid_seen", "valid_unseen")
+BY_TYPE_KEYS = ("high_tokens_per_episode", "low_tokens_per_episode", "subtasks_per_episode", "invalid_rate", "repeated_rate")
+"""What a per-type table reads of an evaluation beside its successes per type (the role keys only a
+hierarchical method's evaluation has)."""
 
 
 class Workspace(BaseModel):
@@ -56,8 +59,11 @@ class Workspace(BaseModel):
     set: dict[str, object] = Field(default_factory=dict)
     """Dotted parameter -> value, over the base profile."""
     match_env_steps: str | None = None
-    """Another workspace: `online.env_steps` is set to the env steps its first seed's rollouts took over
+    """Another workspace: `env_steps_key` is set to the env steps its first seed's rollouts took over
     all its iterations (one iteration of the online baseline then spends what that workspace spent)."""
+    env_steps_key: str = "online.env_steps"
+    """The params key `match_env_steps` sets: the GRPO baseline's budget per iteration, or another online
+    phase's (`multi2.online.env_steps`)."""
 
 
 class Row(BaseModel):
@@ -78,6 +84,13 @@ class Spec(BaseModel):
     seeds: list[int] = Field(min_length=1)
     workspaces: dict[str, Workspace]
     rows: list[Row] = Field(min_length=1)
+    by_type: str | None = None
+    """A split to report per task type instead of the seen/unseen pair (TextCraft's `test`, whose task types
+    are the recipe depths): success per type with its binomial standard error over every seed's episodes,
+    tokens per episode by role, System 1 calls per episode, invalid and repeated-action rates."""
+
+    def splits(self) -> tuple[str, ...]:
+        return (self.by_type,) if self.by_type else SPLITS
 
     @model_validator(mode="after")
     def _consistent(self) -> "Spec":
@@ -151,7 +164,7 @@ def workspace_params(spec: Spec, name: str, seed: int, env_steps: int | None) ->
             continue
         set_dotted(params, key, get_dotted(defaults, key) + seed * step)
     if env_steps is not None:
-        set_dotted(params, "online.env_steps", env_steps)
+        set_dotted(params, spec.workspaces[name].env_steps_key, env_steps)
     parse_params(params, f"{spec.name}/{name}-s{seed}")
     return params
 
@@ -203,9 +216,11 @@ def gather(spec: Spec, out: Path) -> list[dict]:
             first = next(iter(m.values()))
             seeds.append({
                 "seed": seed, "workspace": str(root.relative_to(out)),
-                **{f"{split}/{key}": m[split][key] for split in SPLITS if split in m for key in ("success_rate", "avg_reward", "episodes")},
+                **{f"{split}/{key}": m[split][key] for split in spec.splits() if split in m for key in ("success_rate", "avg_reward", "episodes")},
                 **{f"{split}/tokens_per_episode": m[split]["prompt_tokens_per_episode"] + m[split]["output_tokens_per_episode"]
-                   for split in SPLITS if split in m},
+                   for split in spec.splits() if split in m},
+                **({f"{spec.by_type}/{key}": m[spec.by_type][key] for key in (*BY_TYPE_KEYS, "by_type") if key in m[spec.by_type]}
+                   if spec.by_type in m else {}),
                 "expert_env_steps": experts,
                 "own_env_steps": first["cumulative_env_steps"] - experts,
                 "generated_tokens": first.get("cumulative_generated_tokens", 0),
@@ -223,7 +238,38 @@ def fmt(values: list[float], percent: bool = False, digits: int = 3) -> str:
     return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if s is not None else "")
 
 
-def markdown(results: list[dict]) -> str:
+def by_type_markdown(results: list[dict], split: str) -> str:
+    """The per-task-type table of `split`: success % ± binomial standard error of every seed's episodes
+    pooled, per type and over all, then the means over seeds of tokens per episode by role, System 1 calls
+    per episode, invalid and repeated-action rates."""
+    types = sorted({ty for r in results for s in r["seeds"] for ty in s.get(f"{split}/by_type", {})})
+    head = (f"| # | row | seeds | {' | '.join(f'{ty} success %' for ty in types)} | all success % | tokens per episode (high / low) | "
+            "System 1 calls per episode | invalid % | repeated % |")
+    lines = [head, "|---:|---|---:|" + "---:|" * (len(types) + 5)]
+
+    def pooled(counts: list[dict]) -> str:
+        n, won = sum(c["episodes"] for c in counts), sum(c["won"] for c in counts)
+        if not n:
+            return ""
+        p = won / n
+        return f"{100 * p:.1f} ± {100 * (p * (1 - p) / n) ** 0.5:.1f} ({won}/{n})"
+
+    for i, r in enumerate(results, 1):
+        seeds = r["seeds"]
+        col = lambda key: [s[key] for s in seeds if key in s]  # noqa: E731
+        cells = [pooled([s[f"{split}/by_type"][ty] for s in seeds if ty in s.get(f"{split}/by_type", {})]) for ty in types]
+        cells.append(pooled([c for s in seeds for c in s.get(f"{split}/by_type", {}).values()]))
+        high, low = col(f"{split}/high_tokens_per_episode"), col(f"{split}/low_tokens_per_episode")
+        tokens = f"{fmt(high, digits=0)} / {fmt(low, digits=0)}" if high else fmt(col(f"{split}/tokens_per_episode"), digits=0) + " (flat)"
+        calls = col(f"{split}/subtasks_per_episode")
+        lines.append(f"| {i} | {r['row']} | {len(seeds)} | {' | '.join(cells)} | {tokens} | {fmt(calls, digits=2) if calls else ''} | "
+                     f"{fmt(col(f'{split}/invalid_rate'), True)} | {fmt(col(f'{split}/repeated_rate'), True)} |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown(results: list[dict], by_type: str | None = None) -> str:
+    if by_type:
+        return by_type_markdown(results, by_type)
     head = ("| # | row | seeds | seen success % | seen reward | unseen success % | unseen reward | own env steps | generated tokens | "
             "tokens per seen episode |")
     lines = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -252,13 +298,15 @@ def write_curves(spec: Spec, out: Path) -> None:
             for seed in spec.seeds[: ws.seeds]:
                 root = out / f"{name}-s{seed}"
                 m = read_metrics(root, f"evaluate@{k}")
-                points.append({**{s: m[s]["success_rate"] for s in SPLITS if s in m}, "env_steps": own_env_steps(root, next(iter(m.values()))["cumulative_env_steps"])})
+                points.append({**{s: m[s]["success_rate"] for s in spec.splits() if s in m},
+                               "env_steps": own_env_steps(root, next(iter(m.values()))["cumulative_env_steps"])})
             rows.append({"iteration": k, **{key: statistics.mean(p[key] for p in points) for key in points[0]}})
         path = folder / f"{ws.label}.json"
         write_json(path, rows)
         files.append(path.relative_to(out).as_posix())
     plots = [
-        {f"success_by_{x}": {"template": "simple", "x": x, "y": {f: list(SPLITS) for f in files}, "y_label": "success rate", "title": f"Success rate by {x.replace('_', ' ')}"}}
+        {f"success_by_{x}": {"template": "simple", "x": x, "y": {f: list(spec.splits()) for f in files}, "y_label": "success rate",
+                             "title": f"Success rate by {x.replace('_', ' ')}"}}
         for x in ("iteration", "env_steps")
     ]
     (out / "dvc.yaml").write_text(yaml.safe_dump({"plots": plots}, sort_keys=False))
@@ -307,7 +355,7 @@ def log_table(spec: Spec, results: list[dict], wall_s: float, images: list[Path]
     use_experiment(f"table-{spec.name}")
     with mlflow.start_run(run_name=f"table-{spec.name}", tags={"qevolve.git_commit": commit}) as parent:
         mlflow.log_metric("wall_s", wall_s)
-        mlflow.log_text(markdown(results), "table.md")
+        mlflow.log_text(markdown(results, spec.by_type), "table.md")
         for image in images:
             mlflow.log_artifact(str(image))
         for i, r in enumerate(results, 1):
@@ -357,7 +405,7 @@ def table(spec_path: str, out: str | None = None, seeds: int | None = None) -> d
     write_curves(spec, out_dir)
     images = render_plots(out_dir)
     run_id = log_table(spec, results, wall, images, commit)
-    text = markdown(results)
+    text = markdown(results, spec.by_type)
     write_json(out_dir / "results.json", {"spec": spec.model_dump(), "rows": results, "wall_s": wall, "git_commit": commit, "mlflow_parent_run_id": run_id})
     with atomic_path(out_dir / "table.md") as tmp:
         tmp.write_text(text)

@@ -222,3 +222,36 @@ def test_the_replay_buffer_keeps_what_the_paper_keeps_and_a_corrupt_one_names_it
     pq.write_table(table.drop(["reward"]).replace_schema_metadata(table.schema.metadata), tmp_path / "online@2" / "low.parquet")
     with pytest.raises(SchemaError, match=r"online@2/low.parquet: missing column 'reward'"):
         load_buffer(tmp_path / "online@2", 3, 10)
+
+
+def test_the_miniature_spec_validates_and_its_table_counts_successes_by_depth():
+    from conftest import REPO
+    from flows.table import load_spec, markdown, workspace_params
+
+    spec = load_spec(REPO / "benchmarks" / "multi2.yaml")
+    for name, ws in spec.workspaces.items():
+        params = workspace_params(spec, name, spec.seeds[-1], 100 if ws.match_env_steps else None)
+    assert params["method"] == "multi2" and params["multi2"]["online"]["env_steps"] == 100 and params["multi2"]["critic"]["seed"] == 2
+    seeds = [{"test/by_type": {"depth2": {"episodes": 4, "won": 3}, "depth3": {"episodes": 2, "won": 0}}, "test/high_tokens_per_episode": 100.0,
+              "test/low_tokens_per_episode": 300.0, "test/subtasks_per_episode": 2.0, "test/invalid_rate": 0.1, "test/repeated_rate": 0.0},
+             {"test/by_type": {"depth2": {"episodes": 4, "won": 1}, "depth3": {"episodes": 2, "won": 1}}, "test/high_tokens_per_episode": 120.0,
+              "test/low_tokens_per_episode": 280.0, "test/subtasks_per_episode": 3.0, "test/invalid_rate": 0.3, "test/repeated_rate": 0.5}]
+    line = markdown([{"row": "Multi²", "seeds": seeds}], "test").splitlines()[2]
+    # depth2: 4 of 8 pooled, p = 0.5, s.e. sqrt(0.25 / 8) = 0.1768; depth3: 1 of 4, s.e. sqrt(0.1875 / 4) = 0.2165; all: 5 of 12
+    assert "| 50.0 ± 17.7 (4/8) | 25.0 ± 21.7 (1/4) | 41.7 ± 14.2 (5/12) | 110 ± 14 / 290 ± 14 | 2.50 ± 0.71 | 20.0 ± 14.1 | 25.0 ± 35.4 |" in line
+
+
+def test_the_swapped_roles_ablation_trains_system_1_and_leaves_system_2_as_cloned(tmp_path, monkeypatch):
+    raw = _tiny("textcraft", tmp_path)
+    raw.update(method="multi2", multi2={"rl_roles": ["high"], "critic": {"epochs": 1, "batch_size": 4}, "policy": {"epochs": 2, "batch_size": 4, "lr": 1e-3}})
+    params = parse_params(raw)
+    with pytest.raises(ConfigError, match=r"multi2.rl_roles: the online phase .* refines System 2"):
+        parse_params({**raw, "evolve": {"iterations": 2}})
+    monkeypatch.chdir(tmp_path)
+    metrics = {f"{s}@{k}" if k is not None else s: run_stage(s, params, k) for s, k in pipeline(params, 1)[:8]}  # up to policy@1
+    assert "high_v_mean" in metrics["critic@1"] and "low_v_mean" not in metrics["critic@1"]
+    assert metrics["policy@1"]["high_examples"] == metrics["policy@1"]["examples"] > 0
+    names = ("high", "low")
+    bc = load_policy(paths.BASE, params.model, adapter=paths.BC, trainable=True, names=names)[0].state_dict()
+    updated = load_policy(paths.BASE, params.model, adapter=paths.policy(1), trainable=True, names=names)[0].state_dict()
+    assert {name for name in names if any(not torch.equal(updated[n], bc[n]) for n in bc if f".{name}." in n)} == {"high"}

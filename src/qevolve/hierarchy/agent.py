@@ -22,6 +22,16 @@ from qevolve.models.policy import Decision
 from qevolve.models.prompt import PromptBuilder
 
 
+class RoleStop:
+    """A role's turn ends at the end-of-turn marker `end` or at the end of its first line."""
+
+    def __init__(self, tokenizer, end: list[int]):
+        self.tok, self.end = tokenizer, end
+
+    def __call__(self, tokens: list[int]) -> bool:
+        return tokens[-len(self.end):] == self.end or "\n" in self.tok.decode(tokens, skip_special_tokens=True).lstrip()
+
+
 class HierarchicalAgent:
     """`models[role]` acts for each role (one merged model for all three with a shared adapter; one model
     with an adapter per role and `activate(role)` to switch to a role's, with separate ones).
@@ -41,7 +51,7 @@ class HierarchicalAgent:
         self.max_subtask_steps, self.activate = max_subtask_steps, activate
         self.backends = {role: HFBackend(models[role].eval(), tokenizer.pad_token_id) for role in ROLES}
         self.backend = self.backends["low"]
-        self._end = builder.end_ids or [tokenizer.eos_token_id]
+        self._stop = RoleStop(tokenizer, builder.end_ids or [tokenizer.eos_token_id])
         self.labels: dict[str, list[Label]] = {}
         self.role_tokens: dict[str, dict[str, int]] = {}
         self.role_calls: dict[str, dict[str, int]] = {}
@@ -55,10 +65,6 @@ class HierarchicalAgent:
         calls = self.role_calls.setdefault(traj_id, dict.fromkeys(ROLES, 0))
         tokens[role] += prompt + output
         calls[role] += 1
-
-    def _stop(self, tokens: list[int]) -> bool:
-        """A role's turn ends at the end-of-turn marker or at the end of its first line."""
-        return tokens[-len(self._end):] == self._end or "\n" in self.tok.decode(tokens, skip_special_tokens=True).lstrip()
 
     def _backend(self, role: str) -> HFBackend:
         if self.activate is not None:

@@ -33,12 +33,13 @@ def buffer(k: int) -> Path:
 
 def _iteration(params) -> tuple[Stage, ...]:
     return (
-        replace(STAGES["collect"], at=OFFLINE), replace(STAGES["critic"], at=OFFLINE),
+        replace(STAGES["collect"], at=OFFLINE), replace(STAGES["critic"], params=(*STAGES["critic"].params, "multi2.rl_roles"), at=OFFLINE),
         Stage("policy", f"{__name__}.policy",
               lambda k: {"base_dir": paths.BASE, "previous_dir": paths.policy(k - 1), "critic_dir": paths.critic(k), "data_dir": ANNOTATED,
                          "collected_dir": paths.collected(k), "advantage_dir": paths.advantages(k)},
               lambda k: {"out": paths.policy(k)},
-              (*MODEL_PARAMS, *BUILDER_PARAMS, *offline_data("multi2"), "policy.max_new_tokens", "multi2.policy"), curve=("step", "loss"),
+              (*MODEL_PARAMS, *BUILDER_PARAMS, *offline_data("multi2"), "policy.max_new_tokens", "multi2.policy", "multi2.rl_roles"),
+              curve=("step", "loss"),
               at=OFFLINE),
         Stage("online", f"{__name__}.online",
               lambda k: {"base_dir": paths.BASE, "previous_dir": paths.policy(k - 1), "anchor_dir": paths.policy(1), "critic_dir": paths.critic(k - 1),

@@ -7,7 +7,7 @@ defaults here are Multi²'s (docs/multi2.md sets each beside the paper and the p
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import Field
 
@@ -79,8 +79,6 @@ class Multi2Config(HierarchyConfig):
     subgoal's end and 0 elsewhere; System 1's loss unweighted); `collected_per_expert: 0` (the expert
     segments plus every collected one)."""
 
-    levels_with_critic: ClassVar[tuple[str, ...]] = ("low",)
-
     progress: bool = False
     history: bool = True
     adapters: Literal["shared", "separate"] = "separate"
@@ -92,6 +90,14 @@ class Multi2Config(HierarchyConfig):
     critic: Multi2CriticConfig = Multi2CriticConfig()
     policy: AnchoredActorConfig = AnchoredActorConfig()
     online: Multi2OnlineConfig = Multi2OnlineConfig()
+    rl_roles: tuple[Literal["high", "low"], ...] = Field(("low",), min_length=1)
+    """The roles trained by RL after their SFT: `[low]`, System 2 (the method); `[high]` swaps the roles (System 1
+    gets the critic and the anchored actor, System 2 stays as cloned; no online phase); `[high, low]` both
+    (the online phase refines System 2). Both by SFT is the `evaluate@0` of any of them."""
+
+    @property
+    def levels_with_critic(self) -> tuple[str, ...]:
+        return self.rl_roles
 
 
 SECTIONS = {"multi2": Multi2Config}
@@ -99,6 +105,11 @@ SECTIONS = {"multi2": Multi2Config}
 
 def check(params) -> None:
     check_hierarchy(params, "multi2")
-    if params.method == "multi2" and params.evolve.iterations >= 2 and params.multi2.adapters == "shared":
+    if params.method != "multi2" or params.evolve.iterations < 2:
+        return
+    if "low" not in params.multi2.rl_roles:
+        raise ValueError("multi2.rl_roles: the online phase (iterations >= 2) refines System 2, which these roles leave as cloned; "
+                         "add `low`, or set evolve.iterations: 1")
+    if params.multi2.adapters == "shared":
         raise ValueError("multi2.adapters: the online phase (iterations >= 2) trains System 2's own adapter against its frozen offline "
                          "copy; `shared` gives it none of its own. Use `separate`, or evolve.iterations: 1")

@@ -7,7 +7,7 @@ public code's effective update (docs/step-hrl.md sets the two side by side)."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import Field
 
@@ -31,9 +31,6 @@ class LevelCriticConfig(TrainConfig):
 
 
 class HierarchyConfig(Section):
-    levels_with_critic: ClassVar[tuple[str, ...]] = ("high", "low", "progress")
-    """The levels `critic@k` trains a critic for (those with transitions)."""
-
     progress: bool = True
     """Keep local progress: the low level reads it and the progress role writes it after each step."""
     history: bool = False
@@ -66,6 +63,11 @@ class HierarchyConfig(Section):
     """Collected transitions per expert transition in the offline-RL data; the larger set is subsampled,
     per level. 0 = every transition of both."""
     critic: LevelCriticConfig = LevelCriticConfig()
+
+    @property
+    def levels_with_critic(self) -> tuple[str, ...]:
+        """The levels `critic@k` trains a critic for (STEP-HRL: every level with transitions)."""
+        return ("high", "low", "progress")
 
     @property
     def compat_rejections(self) -> bool:
