@@ -255,3 +255,21 @@ def test_the_swapped_roles_ablation_trains_system_1_and_leaves_system_2_as_clone
     bc = load_policy(paths.BASE, params.model, adapter=paths.BC, trainable=True, names=names)[0].state_dict()
     updated = load_policy(paths.BASE, params.model, adapter=paths.policy(1), trainable=True, names=names)[0].state_dict()
     assert {name for name in names if any(not torch.equal(updated[n], bc[n]) for n in bc if f".{name}." in n)} == {"high"}
+
+
+def test_dvc_yaml_and_the_flow_agree_on_the_phases(tmp_path):
+    import subprocess
+
+    from qevolve import dvcfile
+    from tests.test_pipeline import DVC, _dvc_stages
+
+    params = parse_params({"method": "multi2", "env": {"name": "textcraft"}, "experts": {"demos": {"planner": 2}}, "evaluate": {"splits": {"test": 2}},
+                           "evolve": {"iterations": 3}})
+    subprocess.run([DVC, "init", "--no-scm", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "dvc.yaml").write_text(dvcfile.render(params))
+    flow = [f"{s}@{k}" if k is not None else s for s, k in pipeline(params)]
+    assert flow[-5:] == ["evaluate@1", "online@2", "evaluate@2", "online@3", "evaluate@3"]
+    assert sorted(flow) == sorted(_dvc_stages(tmp_path))
+    online = dvcfile.spec(params)["stages"]["online"]
+    assert online["foreach"]["2"]["seed_dir"] == "data/annotate" and online["foreach"]["3"]["seed_dir"] == "data/online@2"
+    assert online["foreach"]["3"]["anchor_dir"] == "models/policy@1" and online["foreach"]["3"]["critic_dir"] == "models/critic@2"
