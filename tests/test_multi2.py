@@ -273,3 +273,15 @@ def test_dvc_yaml_and_the_flow_agree_on_the_phases(tmp_path):
     online = dvcfile.spec(params)["stages"]["online"]
     assert online["foreach"]["2"]["seed_dir"] == "data/annotate" and online["foreach"]["3"]["seed_dir"] == "data/online@2"
     assert online["foreach"]["3"]["anchor_dir"] == "models/policy@1" and online["foreach"]["3"]["critic_dir"] == "models/critic@2"
+
+
+def test_a_textcraft_subgoal_naming_an_unknown_item_is_refused():
+    from qevolve.hierarchy.annotators import AnnotatorError, check_subtasks, rule_labels
+
+    t = _traj(["get 1 oak log", "craft 4 oak planks using 1 oak log"])
+    check_subtasks("textcraft", t, rule_labels("textcraft", t), "the rule annotator")  # the rules name what was crafted
+    check_subtasks("textcraft", t, [Label(0, "craft oak planks", "p", False), Label(0, "Craft 4 Oak Planks", "p", True)], "x")
+    for subtask, why in (("craft 4 golden widget", "names the unknown item 'golden widget'"), ("gather wood", r"is not `craft \[N\] <item>`")):
+        with pytest.raises(AnnotatorError, match=rf"multi2.llm_url = 'http://h/v1': the subtask '{subtask}' of trajectory t1 {why}"):
+            check_subtasks("textcraft", t, [Label(0, subtask, "p", False), Label(0, subtask, "p", True)], "multi2.llm_url = 'http://h/v1'")
+    check_subtasks("alfworld", t, [Label(0, "gather wood", "p", True)] * 2, "x")  # other environments: any text

@@ -45,6 +45,13 @@ def _name(item_id: str) -> str:
 
 
 @lru_cache(maxsize=1)
+def item_names() -> frozenset[str]:
+    """Every item and item tag the recipes know, as the observations name them (`oak planks`)."""
+    tree = crafting_tree()
+    return frozenset(_name(i) for i in tree.itemid_set | tree.tag_set)
+
+
+@lru_cache(maxsize=1)
 def _goals() -> dict[str, tuple[str, int]]:
     """goal id -> (split, depth)."""
     tree = crafting_tree()

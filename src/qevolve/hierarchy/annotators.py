@@ -193,6 +193,24 @@ def rule_labels(env: str, traj: Trajectory) -> list[Label]:
     return labels
 
 
+_TEXTCRAFT_SUBTASK = re.compile(r"^craft (?:\d+ )?(.+?)\s*$")
+
+
+def check_subtasks(env: str, traj: Trajectory, labels: list[Label], source: str) -> None:
+    """Refuse labels whose subtasks the environment cannot mean: on TextCraft, a subtask is one crafted item,
+    `craft [N] <item>`, and the item must be one the recipes know. `source` names who labelled."""
+    if env != "textcraft":
+        return
+    from qevolve.envs.textcraft import item_names
+
+    for subtask in dict.fromkeys(lab.subtask for lab in labels):
+        m = _TEXTCRAFT_SUBTASK.match(subtask.strip().lower())
+        if not m or m.group(1) not in item_names():
+            what = f"names the unknown item {m.group(1)!r}" if m else "is not `craft [N] <item>`"
+            raise AnnotatorError(f"{source}: the subtask {subtask!r} of trajectory {traj.trajectory_id} {what}; a TextCraft subtask "
+                                 "crafts one item the recipes know")
+
+
 # -- the LLM annotator ----------------------------------------------------------------------------
 
 class AnnotatorError(UserError, RuntimeError):

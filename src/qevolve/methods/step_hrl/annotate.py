@@ -13,7 +13,7 @@ from qevolve.data.atomic import write_json
 from qevolve.data.store import read_store
 from qevolve.data.transitions import write_transitions
 from qevolve.envs import check_tasks, make_env
-from qevolve.hierarchy.annotators import llm_labels, rule_labels
+from qevolve.hierarchy.annotators import check_subtasks, llm_labels, rule_labels
 from qevolve.methods.step_hrl.config import section, section_name
 from qevolve.hierarchy.roles import ROLES, encode, transitions
 from qevolve.methods.step_hrl.shared import role_builder, role_prompts
@@ -34,8 +34,9 @@ def annotate(params: Params, experts_dir: Path, base_dir: Path, out: Path, metri
     sets: dict[str, list] = {role: [] for role in ROLES}
     subtasks = 0
     for t in tqdm(trajs, desc="annotate", unit="traj"):
-        labels = (llm_labels(cfg.llm_url, cfg.llm_model, t, key=f"{section_name(params)}.llm_url") if cfg.annotator == "llm"
-                  else rule_labels(params.env.name, t))
+        key = f"{section_name(params)}.llm_url"
+        labels = llm_labels(cfg.llm_url, cfg.llm_model, t, key=key) if cfg.annotator == "llm" else rule_labels(params.env.name, t)
+        check_subtasks(params.env.name, t, labels, f"{key} = {cfg.llm_url!r}" if cfg.annotator == "llm" else "the rule annotator")
         subtasks += labels[-1].subtask_index + 1
         for role, rows in transitions(t, labels, prompts, cfg.compat_rejections, cfg.rejected_penalty).items():
             sets[role] += rows
