@@ -212,11 +212,24 @@ def episode_metrics(trajs: list[Trajectory]) -> dict:
     }
 
 
+def spent(env_steps: int, tokens: int, generated: int, previous_metrics: Path) -> dict:
+    """A playing stage's env steps, tokens and generated tokens, each also added to the running total in
+    `previous_metrics` (the experts' metrics for iteration 1, else the previous playing stage's)."""
+    before = json.loads(Path(previous_metrics).read_text())
+    return {
+        "env_steps": env_steps,
+        "cumulative_env_steps": before["cumulative_env_steps"] + env_steps,
+        "tokens": tokens,
+        "cumulative_tokens": before.get("cumulative_tokens", 0) + tokens,
+        "generated_tokens": generated,
+        "cumulative_generated_tokens": before.get("cumulative_generated_tokens", 0) + generated,
+    }
+
+
 def collection_metrics(trajs: list[Trajectory], tasks: int, failures: dict[str, int], previous_metrics: Path) -> dict:
     """A collecting stage's metrics: its episodes' success, env steps and tokens, each also added to the
     running totals in `previous_metrics` (the experts' for iteration 1, else the previous collection's)."""
     env_steps = sum(len(t.steps) for t in trajs)
-    before = json.loads(Path(previous_metrics).read_text())
     tokens = sum(s.prompt_tokens + s.output_tokens for t in trajs for s in t.steps)
     generated = sum(s.output_tokens for t in trajs for s in t.steps)
     return {
@@ -225,12 +238,7 @@ def collection_metrics(trajs: list[Trajectory], tasks: int, failures: dict[str, 
         "episodes": len(trajs),
         "tasks": tasks,
         "success_rate": sum(t.won for t in trajs) / max(len(trajs), 1),
-        "env_steps": env_steps,
-        "cumulative_env_steps": before["cumulative_env_steps"] + env_steps,
-        "tokens": tokens,
-        "cumulative_tokens": before.get("cumulative_tokens", 0) + tokens,
-        "generated_tokens": generated,
-        "cumulative_generated_tokens": before.get("cumulative_generated_tokens", 0) + generated,
+        **spent(env_steps, tokens, generated, previous_metrics),
         "invalid_rate": sum(not s.valid for t in trajs for s in t.steps) / max(env_steps, 1),
     }
 

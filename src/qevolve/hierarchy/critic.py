@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from qevolve.data.atomic import atomic_dir
 from qevolve.errors import artifact
 from qevolve.hierarchy.roles import ROLES, encode
 from qevolve.models.base import causal_lm
@@ -100,6 +101,17 @@ def advantages_of(critic: LevelCritic, level: str, prompts: list[list[int]], out
     h_s = h[rows, torch.tensor([len(p) - 1 for p in prompts], device=device)]
     h_sa = h[rows, torch.tensor([len(p) + len(o) - 1 for p, o in zip(prompts, outputs)], device=device)]
     return (critic.q[level](h_sa) - critic.v[level](h_s)).squeeze(-1)
+
+
+def save_critic(critic: LevelCritic, folder: Path, adapter: bool = True) -> None:
+    """Write `critic` to `folder` atomically: its LoRA adapter (unless its backbone is a policy's frozen
+    features, `adapter=False`) and its heads (`heads.safetensors`), as `load_critic` reads them."""
+    from safetensors.torch import save_file
+
+    with atomic_dir(folder) as tmp:
+        if adapter:
+            critic.lm.save_pretrained(tmp)
+        save_file({n: t.detach().contiguous() for n, t in critic.state_dict().items() if not n.startswith("lm.")}, str(tmp / "heads.safetensors"))
 
 
 def load_critic(params, base_dir: Path, critic_dir: Path, levels: tuple[str, ...], trainable: bool = False) -> LevelCritic:

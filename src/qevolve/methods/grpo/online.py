@@ -11,7 +11,6 @@ or previous policy have changed since).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import defaultdict
@@ -28,7 +27,7 @@ from qevolve.models.device import placement
 from qevolve.models.policy import Actor, load_policy
 from qevolve.models.prompt import PROMPT_FILE, make_builder
 from qevolve.policy_update import policy_items, policy_step, reference_pass
-from qevolve.rollout import another_round, play_in
+from qevolve.rollout import another_round, play_in, spent
 from qevolve.training import changing_tensors, checkpoint_path, fingerprint, input_digest, train
 
 log = logging.getLogger(__name__)
@@ -99,17 +98,11 @@ def online(params: Params, base_dir: Path, previous_dir: Path, out: Path, metric
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)
         (tmp / PROMPT_FILE).write_text((Path(previous_dir) / PROMPT_FILE).read_text())
-    before = json.loads(Path(previous_metrics).read_text())
     metrics = {
         "rounds": state["round"],
         "episodes": state["episodes"],
         "success_rate": state["won"] / max(state["episodes"], 1),
-        "env_steps": state["env_steps"],
-        "cumulative_env_steps": before["cumulative_env_steps"] + state["env_steps"],
-        "tokens": state["tokens"],
-        "cumulative_tokens": before.get("cumulative_tokens", 0) + state["tokens"],
-        "generated_tokens": state["generated_tokens"],
-        "cumulative_generated_tokens": before.get("cumulative_generated_tokens", 0) + state["generated_tokens"],
+        **spent(state["env_steps"], state["tokens"], state["generated_tokens"], previous_metrics),
         "seconds": time.perf_counter() - start,
         **placement(model),
     }

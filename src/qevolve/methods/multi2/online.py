@@ -19,7 +19,6 @@ random states are checkpointed, so a killed stage resumes at its round to a bit-
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import shutil
@@ -36,12 +35,12 @@ from qevolve.data.transitions import read_transitions, write_transitions
 from qevolve.envs import make_env, select_tasks
 from qevolve.envs.base import check_env_failures
 from qevolve.errors import artifact
-from qevolve.hierarchy.critic import LevelCritic, critic_items, load_critic, values
+from qevolve.hierarchy.critic import LevelCritic, critic_items, load_critic, save_critic, values
 from qevolve.hierarchy.roles import Transition, encode, transitions
 from qevolve.methods.step_hrl.shared import ROLES_FILE, agent_of, read_roles, role_builder, role_names
 from qevolve.models.device import placement
 from qevolve.models.policy import load_policy, use_adapter
-from qevolve.rollout import another_round, play_in
+from qevolve.rollout import another_round, play_in, spent
 from qevolve.training import changing_tensors, checkpoint_path, fingerprint, input_digest, pad_ids
 
 log = logging.getLogger(__name__)
@@ -202,25 +201,15 @@ def online(params: Params, base_dir: Path, previous_dir: Path, anchor_dir: Path,
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)
         shutil.copy(Path(previous_dir) / ROLES_FILE, tmp / ROLES_FILE)
-    from safetensors.torch import save_file
-
-    with atomic_dir(critic_out) as tmp:
-        critic.lm.save_pretrained(tmp)
-        save_file({n: t.detach().contiguous() for n, t in critic.state_dict().items() if not n.startswith("lm.")}, str(tmp / "heads.safetensors"))
+    save_critic(critic, critic_out)
     write_transitions(buffer_out, {LEVEL: [Transition(**{k: v for k, v in x.items() if k in Transition.__dataclass_fields__})
                                            for seg in buffer for x in seg]},
                       lambda text: len(tok.encode(text, add_special_tokens=False)))
-    before = json.loads(Path(previous_metrics).read_text())
     metrics = {
         "rounds": state["round"],
         "episodes": state["episodes"],
         "success_rate": state["won"] / max(state["episodes"], 1),
-        "env_steps": state["env_steps"],
-        "cumulative_env_steps": before["cumulative_env_steps"] + state["env_steps"],
-        "tokens": state["tokens"],
-        "cumulative_tokens": before.get("cumulative_tokens", 0) + state["tokens"],
-        "generated_tokens": state["generated_tokens"],
-        "cumulative_generated_tokens": before.get("cumulative_generated_tokens", 0) + state["generated_tokens"],
+        **spent(state["env_steps"], state["tokens"], state["generated_tokens"], previous_metrics),
         "buffer_segments": len(buffer),
         "buffer_success_share": sum(sum(x["reward"] for x in seg) > 0 for seg in buffer) / max(len(buffer), 1),
         "kept_segments": state["kept"],

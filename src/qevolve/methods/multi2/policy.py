@@ -21,11 +21,10 @@ from qevolve.algos.losses import sequence_logprobs
 from qevolve.algos.rl import anchored_awr_loss
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
-from qevolve.errors import artifact
 from qevolve.hierarchy.agent import RoleStop
 from qevolve.hierarchy.critic import advantages_of, load_critic
 from qevolve.hierarchy.roles import encode, parse_low
-from qevolve.methods.step_hrl.shared import ROLES_FILE, load_roles_policy, read_advantages, role_builder, training_sets
+from qevolve.methods.step_hrl.shared import ROLES_FILE, advantage_of, load_roles_policy, read_advantages, role_builder, training_sets
 from qevolve.models.backend import HFBackend
 from qevolve.models.device import model_device, placement
 from qevolve.models.policy import use_adapter
@@ -112,12 +111,9 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, critic_dir: Path,
     items = []
     for role in roles:
         for r in sets[role]:
-            key = (r["trajectory_id"], role, r["step"])
-            if key not in advantages:
-                raise artifact(Path(advantage_dir), f"no advantage for {role} transition {key[0]} step {key[2]}: it was written for other data")
             ids, mask = encode(builder, r["state_text"], r["output_text"])
             start = mask.index(1)
-            items.append((role, ids[:start], ids[start:], advantages[key]))
+            items.append((role, ids[:start], ids[start:], advantage_of(advantages, advantage_dir, role, r)))
     sampler = Sampler(model, tok, builder, params.policy.max_new_tokens, cfg.temperature)
     weights = torch.exp(cfg.beta * torch.tensor([a for *_, a in items])).clamp(max=cfg.max_weight)
     start = time.perf_counter()

@@ -22,7 +22,7 @@ import torch
 from qevolve.algos.rl import iql_losses
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
-from qevolve.hierarchy.critic import Item, LevelCritic, critic_items, values
+from qevolve.hierarchy.critic import Item, LevelCritic, critic_items, save_critic, values
 from qevolve.methods.step_hrl.config import section
 from qevolve.methods.step_hrl.shared import ADVANTAGE_SCHEMA, ADVANTAGES, read_roles, role_builder, training_sets
 from qevolve.models.device import placement
@@ -77,12 +77,7 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, col
             x = values(model, mb, tok.pad_token_id)
             rows += [{"trajectory_id": it.key[0], "level": it.role, "step": it.key[2], "advantage": float(q - v), "v": float(v), "q": float(q)}
                      for it, v, q in zip(mb, x["v"], x["q"])]
-    with atomic_dir(out) as tmp:
-        from safetensors.torch import save_file
-
-        if not compat:
-            model.lm.save_pretrained(tmp)
-        save_file({n: t.detach().contiguous() for n, t in model.state_dict().items() if not n.startswith("lm.")}, str(tmp / "heads.safetensors"))
+    save_critic(model, out, adapter=not compat)
     with atomic_dir(advantages_out) as tmp:
         pq.write_table(pa.Table.from_pylist(rows, schema=ADVANTAGE_SCHEMA), tmp / ADVANTAGES)
     metrics = {

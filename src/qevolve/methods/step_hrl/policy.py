@@ -16,9 +16,8 @@ from qevolve.algos.losses import sequence_logprobs
 from qevolve.algos.rl import advantage_pg_loss, awr_loss
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
-from qevolve.errors import artifact
 from qevolve.hierarchy.roles import ROLES, encode
-from qevolve.methods.step_hrl.shared import ROLES_FILE, load_roles_policy, read_advantages, role_builder, role_groups, training_sets
+from qevolve.methods.step_hrl.shared import ROLES_FILE, advantage_of, load_roles_policy, read_advantages, role_builder, role_groups, training_sets
 from qevolve.models.device import model_device, placement
 from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train
 
@@ -53,10 +52,7 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
     items = []
     for role in ROLES:
         for r in sets[role]:
-            key = (r["trajectory_id"], role, r["step"])
-            if key not in advantages:
-                raise artifact(Path(advantage_dir), f"no advantage for {role} transition {key[0]} step {key[2]}: it was written for other data")
-            items.append((role, *encode(builder, r["state_text"], r["output_text"]), advantages[key]))
+            items.append((role, *encode(builder, r["state_text"], r["output_text"]), advantage_of(advantages, advantage_dir, role, r)))
     weights = torch.exp(torch.tensor([a for *_, a in items]) / cfg.beta).clamp(max=cfg.max_weight)
     start = time.perf_counter()
     curve = train(model, items, cfg, lambda it: len(it[1]),

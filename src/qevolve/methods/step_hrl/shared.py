@@ -137,3 +137,11 @@ def read_advantages(folder: Path) -> dict[tuple[str, str, int], float]:
     """(trajectory_id, level, step) -> advantage, from an `advantage@k` folder."""
     rows = _read_checked(Path(folder) / ADVANTAGES, ADVANTAGE_SCHEMA, "1").to_pylist()
     return {(r["trajectory_id"], r["level"], r["step"]): r["advantage"] for r in rows}
+
+
+def advantage_of(advantages: dict, folder: Path, role: str, row: dict) -> float:
+    """The advantage `critic@k` wrote (`read_advantages` of `folder`) for transition `row` of `role`."""
+    key = (row["trajectory_id"], role, row["step"])
+    if key not in advantages:
+        raise artifact(Path(folder), f"no advantage for {role} transition {key[0]} step {key[2]}: it was written for other data")
+    return advantages[key]
