@@ -285,3 +285,27 @@ def test_a_textcraft_subgoal_naming_an_unknown_item_is_refused():
         with pytest.raises(AnnotatorError, match=rf"multi2.llm_url = 'http://h/v1': the subtask '{subtask}' of trajectory t1 {why}"):
             check_subtasks("textcraft", t, [Label(0, subtask, "p", False), Label(0, subtask, "p", True)], "multi2.llm_url = 'http://h/v1'")
     check_subtasks("alfworld", t, [Label(0, "gather wood", "p", True)] * 2, "x")  # other environments: any text
+
+
+def test_system_1_can_choose_among_the_crafts_the_listing_shows(tmp_path, monkeypatch):
+    from qevolve.envs import make_env, select_tasks
+    from qevolve.hierarchy.annotators import observed_subtasks
+    from qevolve.methods.step_hrl.shared import make_agent
+    from qevolve.rollout import play_in
+
+    assert observed_subtasks("textcraft", ["get 1 oak log", "craft 4 oak planks using 1 oak log", "craft 1 stick using 2 bamboo", "inventory"]) == [
+        "craft 4 oak planks", "craft 1 stick"]
+    assert observed_subtasks("alfworld", ["take pen 1 from desk 1"]) == []
+    raw = _tiny("textcraft", tmp_path)
+    raw.update(method="multi2", multi2={"high_mode": "observed"})
+    params = parse_params(raw)
+    monkeypatch.chdir(tmp_path)
+    for stage, k in pipeline(params, 0)[:4]:  # up to bc
+        run_stage(stage, params, k)
+    agent = make_agent(params, paths.BASE, paths.BC, temperature=1.0)
+    env = make_env(params.env)
+    [task] = select_tasks(env, "test", params.env, 1, 0)
+    [traj] = play_in(params.env, [task], agent, greedy=True, source="policy@0", batch_size=1, seed=0)
+    listed = observed_subtasks("textcraft", env.reset(task).admissible)
+    chosen = {label.subtask for label in agent.labels[traj.trajectory_id]}
+    assert listed and chosen and chosen <= set(listed), (chosen, listed)

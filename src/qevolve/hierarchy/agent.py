@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from qevolve.hierarchy.annotators import NONE, Label
+from qevolve.hierarchy.annotators import NONE, Label, observed_subtasks
 from qevolve.hierarchy.roles import ROLES, RolePrompts, low_output, parse_low
 from qevolve.models.backend import HFBackend, seeds_from
 from qevolve.models.policy import Decision
@@ -39,8 +39,9 @@ class HierarchicalAgent:
     With `prompts.history` the low role also reads the subtask's earlier (observation, action) turns.
 
     `mode` is the low role's (`admissible`: every valid action is scored twice, ending the subtask or
-    not; `free`: generated). The high role chooses among `subtasks` when `high_mode` is `admissible`, else
-    writes one; the progress role always writes. `max_subtask_steps` ends a subtask the low role does not."""
+    not; `free`: generated). The high role chooses among `subtasks` when `high_mode` is `admissible`, among
+    the subtasks the observation's valid actions name (`observed_subtasks`; `subtasks` where it names none)
+    when it is `observed`, else writes one; the progress role always writes. `max_subtask_steps` ends a subtask the low role does not."""
 
     def __init__(self, models: dict, tokenizer, builder: PromptBuilder, prompts: RolePrompts, *, mode: str, high_mode: str,
                  subtasks: list[str], temperature: float, max_new_tokens: int, progress_tokens: int, max_subtask_steps: int,
@@ -101,6 +102,9 @@ class HierarchicalAgent:
             prompts = [self._prompt(t) for t in texts]
             if self.high_mode == "admissible":
                 chosen = self._choose("high", [e for _, e in planning], prompts, [self.subtasks] * len(planning))
+            elif self.high_mode == "observed":
+                candidates = [observed_subtasks(self.prompts.env, e.admissible) or self.subtasks for _, e in planning]
+                chosen = self._choose("high", [e for _, e in planning], prompts, candidates)
             else:
                 chosen = self._write("high", [e for _, e in planning], prompts, self.max_new_tokens)
             for (s, e), prompt, (subtask, _, n) in zip(planning, prompts, chosen):

@@ -183,6 +183,15 @@ PROGRESS: dict[str, Callable[[str, list[str]], str]] = {
 }
 
 
+def observed_subtasks(env: str, admissible: list[str]) -> list[str]:
+    """The subtasks the rules would name for the valid actions an observation lists (TextCraft: one per
+    listed craft, `craft 4 oak planks`); empty where the environment lists no such actions (the others:
+    the actions that end their subtasks are not all visible from one place)."""
+    if env == "textcraft":
+        return list(dict.fromkeys(_textcraft_subtask(a) for a in admissible if a.startswith("craft ")))
+    return []
+
+
 def rule_labels(env: str, traj: Trajectory) -> list[Label]:
     """One label per step of `traj` (an expert's: every action parses), from the environment's rules."""
     actions = [s.action or "" for s in traj.steps]

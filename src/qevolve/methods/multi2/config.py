@@ -82,7 +82,7 @@ class Multi2Config(HierarchyConfig):
     progress: bool = False
     history: bool = True
     adapters: Literal["shared", "separate"] = "separate"
-    high_mode: Literal["admissible", "free"] = "free"
+    high_mode: Literal["admissible", "observed", "free"] = "free"
     high_interval: int = Field(1, gt=0)
     max_subtask_steps: int = Field(32, gt=0)
     rejected_penalty: float = Field(0.0, ge=0)

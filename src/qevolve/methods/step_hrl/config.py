@@ -47,8 +47,10 @@ class HierarchyConfig(Section):
     """Base URL of an OpenAI-compatible server (`http://host:port/v1`) for `annotator: llm`."""
     llm_model: str = "deepseek-chat"
     """The model name sent to `llm_url`."""
-    high_mode: Literal["admissible", "free"] = "admissible"
-    """`admissible`: the high level chooses among the annotated subtasks; `free`: it writes one."""
+    high_mode: Literal["admissible", "observed", "free"] = "admissible"
+    """`admissible`: the high level chooses among the annotated subtasks; `observed`: among those the
+    observation's valid actions name (TextCraft: one per listed craft; elsewhere the annotated ones);
+    `free`: it writes one."""
     high_interval: int = Field(4, gt=0)
     """The high level's BC loss is weighted 1 / high_interval (STEP-HRL's public code adds it every
     `high_interval`-th step; this is the same share in expectation)."""
