@@ -309,3 +309,89 @@ def test_system_1_can_choose_among_the_crafts_the_listing_shows(tmp_path, monkey
     listed = observed_subtasks("textcraft", env.reset(task).admissible)
     chosen = {label.subtask for label in agent.labels[traj.trajectory_id]}
     assert listed and chosen and chosen <= set(listed), (chosen, listed)
+
+
+def test_repo_compat_centres_online_advantages_per_segment_and_draws_whole_segments():
+    import random
+
+    from qevolve.hierarchy.critic import _following
+    from qevolve.methods.multi2.online import segment_batch, segment_centred
+
+    rows = [{"trajectory_id": t, "subtask_index": s, "step": step} for t, s, step in [("a", 0, 1), ("a", 0, 0), ("b", 1, 5), ("b", 1, 6), ("a", 1, 2)]]
+    # segment (a, 0) holds rows 1 then 0 by step; (b, 1) rows 2 then 3; (a, 1) has no next row
+    assert _following(rows) == {1: 0, 2: 3}
+    q = torch.tensor([1.0, 2.0, 3.0, 10.0, 4.0])
+    # segment means: (a, 0) 1.5, (b, 1) 6.5, (a, 1) 4
+    assert segment_centred(q, rows).tolist() == [-0.5, 0.5, -3.5, 3.5, 0.0]
+    buffer = [[{"i": 0}, {"i": 1}], [{"i": 2}], [{"i": 3}, {"i": 4}, {"i": 5}]]
+    batch = segment_batch(buffer, 3, random.Random(0))
+    assert len(batch) >= 3 and all(seg[0] not in batch or all(x in batch for x in seg) for seg in buffer), "whole segments only"
+    assert sorted(x["i"] for x in segment_batch(buffer, 100, random.Random(0))) == list(range(6))
+
+
+def test_a_model_can_train_its_heads_at_their_own_learning_rate():
+    from qevolve.training import _by_rate
+
+    model = torch.nn.ModuleDict({"lm": torch.nn.Linear(2, 2), "v": torch.nn.Linear(2, 1)})
+    assert [g["lr"] for g in _by_rate(model, 1e-4)] == [1e-4]
+    model.lr_by_prefix = {"v.": 1e-5}
+    groups = _by_rate(model, 1e-4)
+    assert [(g["lr"], len(g["params"])) for g in groups] == [(1e-4, 2), (1e-5, 2)]
+
+
+def test_repo_compat_trains_system_2_and_its_critic_in_one_loop_then_online(tmp_path, monkeypatch):
+    from qevolve import dvcfile
+    from safetensors.torch import load_file
+
+    raw = _tiny("textcraft", tmp_path)
+    raw.update(method="multi2", evolve={"iterations": 2},
+               multi2={"repo_compat": True, "policy": {"epochs": 2, "batch_size": 4, "lr": 1e-3}, "critic": {"lr": 1e-3}, "online": ONLINE})
+    params = parse_params(raw)
+    with pytest.raises(ConfigError, match=r"multi2.rl_roles: repo_compat reproduces the public code, which trains System 2 only"):
+        parse_params({**raw, "evolve": {"iterations": 1}, "multi2": {"repo_compat": True, "rl_roles": ["high", "low"]}})
+    assert iteration_stages(params, 1) == ("collect", "policy", "evaluate"), "the joint loop replaces critic@1"
+    policy_deps = dvcfile.spec(params)["stages"]["policy"]["foreach"]["1"]
+    assert "critic_dir" not in policy_deps and policy_deps["critic_out"] == "models/critic@1"
+    monkeypatch.chdir(tmp_path)
+    metrics = {f"{s}@{k}" if k is not None else s: run_stage(s, params, k) for s, k in pipeline(params, 2)}
+    p = metrics["policy@1"]
+    assert p["expectile"] == 0.5 and p["q_loss"] > 0 and p["logp"] > p["first_logp"]
+    critic = tmp_path / paths.critic(1)
+    assert sorted(f.name for f in critic.iterdir()) == ["heads.safetensors"], "heads only: they read System 2's own features"
+    heads = load_file(str(critic / "heads.safetensors"))
+    assert any(t.abs().sum() > 0 for n, t in heads.items() if n.startswith(("v.", "q."))), "the heads trained"
+    names = ("high", "low")
+    bc = load_policy(paths.BASE, params.model, adapter=paths.BC, trainable=True, names=names)[0].state_dict()
+    offline = load_policy(paths.BASE, params.model, adapter=paths.policy(1), trainable=True, names=names)[0].state_dict()
+    assert {name for name in names if any(not torch.equal(offline[n], bc[n]) for n in bc if f".{name}." in n)} == {"low"}
+    o = metrics["online@2"]
+    assert o["rounds"] >= 1 and "kl" in o
+    online = load_policy(paths.BASE, params.model, adapter=paths.policy(2), trainable=True, names=names)[0].state_dict()
+    assert {name for name in names if any(not torch.equal(online[n], offline[n]) for n in offline if f".{name}." in n)} == {"low"}
+    assert sorted(f.name for f in (tmp_path / paths.critic(2)).iterdir()) == ["heads.safetensors"]
+    assert load_file(str(tmp_path / paths.critic(2) / "heads.safetensors")).keys() == heads.keys()
+
+
+def test_under_repo_compat_the_critics_loss_reaches_system_2s_adapter():
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from qevolve.hierarchy.critic import Item
+    from qevolve.methods.multi2.compat import joint_step, on_actor
+
+    torch.manual_seed(0)
+    lm = get_peft_model(Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                     num_attention_heads=2, num_key_value_heads=1)),
+                        LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    joint = on_actor(lm, ("low",), 1e-5)
+    for head in (joint.v["low"], joint.q["low"]):
+        torch.nn.init.normal_(head.weight)
+
+    def lora_grads(reward: float) -> list[torch.Tensor]:
+        items = [Item("low", ("t", "low", 0), [1, 2, 3, 4], 3, [1, 2, 3, 4, 5, 6], reward, False, 3)]
+        joint.zero_grad(set_to_none=True)
+        joint_step(joint, [items], beta=10.0, max_weight=20.0, gamma=0.99, pad_id=0)
+        return [p.grad.clone() for n, p in joint.named_parameters() if "lora_B" in n]
+
+    # the actor's AWR term is the same for both rewards (A = Q - V does not read r): the difference is the critic's
+    assert any(not torch.allclose(a, b) for a, b in zip(lora_grads(0.0), lora_grads(1.0)))

@@ -241,7 +241,7 @@ def train(
             if isinstance(module, FSDPModule):
                 module.reshard()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(_by_rate(model, cfg.lr), lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps_per_epoch = -(-len(items) // cfg.batch_size)
     total = steps_per_epoch * cfg.epochs
     warmup = max(1, int(cfg.warmup_ratio * total))
@@ -320,6 +320,17 @@ def train(
     return curve
 
 
+def _by_rate(model: torch.nn.Module, lr: float) -> list[dict]:
+    """The trainable parameters in optimiser groups by learning rate: `lr`, or for a name starting with a
+    prefix in the model's `lr_by_prefix` ({prefix: rate}) that rate (a joint actor-critic's heads)."""
+    rates = getattr(model, "lr_by_prefix", {})
+    groups: dict[float, list] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault(next((r for prefix, r in rates.items() if name.startswith(prefix)), lr), []).append(p)
+    return [{"params": ps, "lr": rate} for rate, ps in groups.items()]
+
+
 def checkpoint_path(out: Path) -> Path:
     """Where the stage writing the artifact `out` keeps its in-stage checkpoint: beside it, never in it."""
     return out.parent / f".{out.name}.checkpoint"
@@ -330,6 +341,24 @@ def changing_tensors(model: torch.nn.Module) -> set[str]:
     `checkpoint_extra` (e.g. a target network updated outside the optimiser)."""
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     return names | set(getattr(model, "checkpoint_extra", ()))
+
+
+def trained_state(model: torch.nn.Module, names: set[str]) -> dict[str, torch.Tensor]:
+    """A copy of the state-dict entries in `names` (`changing_tensors`): what a round checkpoint keeps."""
+    return {n: t.detach().clone() for n, t in model.state_dict().items() if n in names}
+
+
+def load_round(ckpt: Path, key: str, stage: str) -> dict | None:
+    """The checkpoint an online stage saved after its last finished round, if one exists and was written
+    with this `key` (`fingerprint`); None otherwise (a stale one is logged and left for the next save)."""
+    if not ckpt.exists():
+        return None
+    saved = torch.load(ckpt, weights_only=False)
+    if saved.get("fingerprint") != key:
+        log.warning("%s: ignoring checkpoint %s, written for other settings or other inputs", stage, ckpt)
+        return None
+    log.warning("%s: resuming from the checkpoint after round %d (%s)", stage, saved["round"], ckpt)
+    return saved
 
 
 def fingerprint(*parts) -> str:

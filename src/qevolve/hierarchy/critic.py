@@ -61,16 +61,37 @@ class Item:
     next_ids: list[int]
     reward: float
     done: bool
+    output_start: int
+    """Where the output starts in `ids`."""
 
 
-def critic_items(builder, sets: dict[str, list[dict]]) -> list[Item]:
+def critic_items(builder, sets: dict[str, list[dict]], action_end: bool = False) -> list[Item]:
+    """One item per transition: V(s) read at the state prompt's last token, V(s') at the next state's.
+    `action_end` (Multi²'s public code): V read at the output's last token, so V(s) is a function of (s, a),
+    and V(s') at the end of the next transition of the same segment (same trajectory and subtask, the next
+    step among `rows`), or of the next state's prompt where `rows` hold none (the segment's end)."""
     items = []
     for role, rows in sets.items():
-        for r in rows:
-            ids, mask = encode(builder, r["state_text"], r["output_text"])
-            next_ids = builder.head_ids + builder.user_turn(r["next_state_text"])
-            items.append(Item(role, (r["trajectory_id"], role, r["step"]), ids, mask.index(1) - 1, next_ids, r["reward"], r["done"]))
+        encoded = [encode(builder, r["state_text"], r["output_text"]) for r in rows]
+        following = _following(rows) if action_end else {}
+        for i, (r, (ids, mask)) in enumerate(zip(rows, encoded)):
+            nxt = following.get(i)
+            next_ids = encoded[nxt][0] if nxt is not None else builder.head_ids + builder.user_turn(r["next_state_text"])
+            state_end = len(ids) - 1 if action_end else mask.index(1) - 1
+            items.append(Item(role, (r["trajectory_id"], role, r["step"]), ids, state_end, next_ids, r["reward"], r["done"], mask.index(1)))
     return items
+
+
+def _following(rows: list[dict]) -> dict[int, int]:
+    """Row index -> the index of the next row of its segment (trajectory, subtask) by step, where there is one."""
+    segments: dict[tuple, list[int]] = {}
+    for i, r in enumerate(rows):
+        segments.setdefault((r["trajectory_id"], r["subtask_index"]), []).append(i)
+    out = {}
+    for members in segments.values():
+        members.sort(key=lambda i: rows[i]["step"])
+        out.update(zip(members, members[1:]))
+    return out
 
 
 def values(critic: LevelCritic, mb: list[Item], pad_id: int) -> dict[str, torch.Tensor]:
@@ -117,10 +138,16 @@ def save_critic(critic: LevelCritic, folder: Path, adapter: bool = True) -> None
 def load_critic(params, base_dir: Path, critic_dir: Path, levels: tuple[str, ...], trainable: bool = False) -> LevelCritic:
     """The critic `critic@k` wrote at `critic_dir` (its adapter and heads): frozen with the adapter merged,
     for scoring, or `trainable` to train on."""
+    lm, _ = load_policy(base_dir, params.model, adapter=critic_dir, trainable=trainable)
+    model = load_heads(LevelCritic(lm, frozen=not trainable, levels=levels), critic_dir)
+    return model if trainable else model.eval()
+
+
+def load_heads(model: LevelCritic, critic_dir: Path) -> LevelCritic:
+    """`model` with the heads `critic@k` wrote at `critic_dir` (`heads.safetensors`) loaded into it."""
     from safetensors.torch import load_file
 
-    lm, _ = load_policy(base_dir, params.model, adapter=critic_dir, trainable=trainable)
-    model = LevelCritic(lm, frozen=not trainable, levels=levels)
+    levels = tuple(model.v)
     heads = Path(critic_dir) / "heads.safetensors"
     try:
         missing, unexpected = model.load_state_dict(load_file(str(heads)), strict=False)
@@ -129,4 +156,4 @@ def load_critic(params, base_dir: Path, critic_dir: Path, levels: tuple[str, ...
     wrong = [n for n in missing if not n.startswith("lm.")] + list(unexpected)
     if wrong:
         raise artifact(heads, f"the critic's heads do not match levels {list(levels)}: {wrong[:4]}")
-    return model if trainable else model.eval()
+    return model

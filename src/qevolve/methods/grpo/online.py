@@ -11,7 +11,6 @@ or previous policy have changed since).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -28,9 +27,8 @@ from qevolve.models.policy import Actor, load_policy
 from qevolve.models.prompt import PROMPT_FILE, make_builder
 from qevolve.policy_update import policy_items, policy_step, reference_pass
 from qevolve.rollout import another_round, play_in, spent
-from qevolve.training import changing_tensors, checkpoint_path, fingerprint, input_digest, train
+from qevolve.training import changing_tensors, checkpoint_path, fingerprint, input_digest, load_round, train, trained_state
 
-log = logging.getLogger(__name__)
 
 
 def group_advantages(trajs: list[Trajectory]) -> dict[tuple[str, int], float]:
@@ -56,14 +54,9 @@ def online(params: Params, base_dir: Path, previous_dir: Path, out: Path, metric
     ckpt = checkpoint_path(out)
     key = fingerprint(iteration, params.model_dump(include={"env", "model", "policy", "online"}), input_digest(previous_dir))
     state = {"round": 0, "env_steps": 0, "tokens": 0, "generated_tokens": 0, "episodes": 0, "won": 0, "curve": [], "fingerprint": key}
-    if ckpt.exists():
-        saved = torch.load(ckpt, weights_only=False)
-        if saved.get("fingerprint") == key:
-            model.load_state_dict(saved.pop("model"), strict=False)
-            state = saved
-            log.warning("online@%d: resuming from the checkpoint after round %d (%s)", iteration, state["round"], ckpt)
-        else:
-            log.warning("online@%d: ignoring checkpoint %s, written for other settings or another previous policy", iteration, ckpt)
+    if saved := load_round(ckpt, key, f"online@{iteration}"):
+        model.load_state_dict(saved.pop("model"), strict=False)
+        state = saved
     names = changing_tensors(model)
     start = time.perf_counter()
     while another_round(state["env_steps"], cfg.env_steps, state["round"]):
@@ -94,7 +87,7 @@ def online(params: Params, base_dir: Path, previous_dir: Path, out: Path, metric
         state["curve"].append(row)
         state["round"] = r + 1
         with atomic_path(ckpt) as tmp:
-            torch.save({**state, "model": {n: t.detach().clone() for n, t in model.state_dict().items() if n in names}}, tmp)
+            torch.save({**state, "model": trained_state(model, names)}, tmp)
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)
         (tmp / PROMPT_FILE).write_text((Path(previous_dir) / PROMPT_FILE).read_text())

@@ -31,21 +31,33 @@ def buffer(k: int) -> Path:
     return Path(f"data/online@{k}")
 
 
-def _iteration(params) -> tuple[Stage, ...]:
+def _offline(compat: bool) -> tuple[Stage, ...]:
+    """Iteration 1 after `collect@1`: `critic@1` then the paper's actor, or (`multi2.repo_compat`) the public
+    code's joint critic-actor loop alone, writing both (`qevolve.methods.multi2.compat`)."""
+    data = (*MODEL_PARAMS, *BUILDER_PARAMS, *offline_data("multi2"))
+    if compat:
+        return (Stage("policy", f"{__name__}.compat",
+                      lambda k: {"base_dir": paths.BASE, "previous_dir": paths.policy(k - 1), "data_dir": ANNOTATED, "collected_dir": paths.collected(k)},
+                      lambda k: {"out": paths.policy(k), "critic_out": paths.critic(k)},
+                      (*data, "multi2.policy", "multi2.critic", "multi2.repo_compat"), curve=("step", "loss"), at=OFFLINE),)
     return (
-        replace(STAGES["collect"], at=OFFLINE), replace(STAGES["critic"], params=(*STAGES["critic"].params, "multi2.rl_roles"), at=OFFLINE),
+        replace(STAGES["critic"], params=(*STAGES["critic"].params, "multi2.rl_roles"), at=OFFLINE),
         Stage("policy", f"{__name__}.policy",
               lambda k: {"base_dir": paths.BASE, "previous_dir": paths.policy(k - 1), "critic_dir": paths.critic(k), "data_dir": ANNOTATED,
                          "collected_dir": paths.collected(k), "advantage_dir": paths.advantages(k)},
               lambda k: {"out": paths.policy(k)},
-              (*MODEL_PARAMS, *BUILDER_PARAMS, *offline_data("multi2"), "policy.max_new_tokens", "multi2.policy", "multi2.rl_roles"),
-              curve=("step", "loss"),
-              at=OFFLINE),
+              (*data, "policy.max_new_tokens", "multi2.policy", "multi2.rl_roles", "multi2.repo_compat"), curve=("step", "loss"), at=OFFLINE),
+    )
+
+
+def _iteration(params) -> tuple[Stage, ...]:
+    return (
+        replace(STAGES["collect"], at=OFFLINE), *_offline(params.multi2.repo_compat),
         Stage("online", f"{__name__}.online",
               lambda k: {"base_dir": paths.BASE, "previous_dir": paths.policy(k - 1), "anchor_dir": paths.policy(1), "critic_dir": paths.critic(k - 1),
                          "seed_dir": ANNOTATED if k == 2 else buffer(k - 1), "previous_metrics": RECIPE.steps_before(k - 1)},
               lambda k: {"out": paths.policy(k), "critic_out": paths.critic(k), "buffer_out": buffer(k)},
-              (*ACTING_PARAMS, *acting("multi2"), "policy.temperature", "multi2.critic", "multi2.online"), curve=("round", "success_rate"),
+              (*ACTING_PARAMS, *acting("multi2"), "policy.temperature", "multi2.critic", "multi2.online", "multi2.repo_compat"), curve=("round", "success_rate"),
               takes_iteration=True, at=lambda k: k >= 2),
     )
 

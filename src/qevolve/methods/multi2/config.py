@@ -90,6 +90,11 @@ class Multi2Config(HierarchyConfig):
     critic: Multi2CriticConfig = Multi2CriticConfig()
     policy: AnchoredActorConfig = AnchoredActorConfig()
     online: Multi2OnlineConfig = Multi2OnlineConfig()
+    repo_compat: bool = False
+    """The public code's effective update instead of the paper's (docs/multi2.md, side by side): offline, one
+    loop trains System 2 with critic heads on its own hidden states (critic gradients reaching its adapter),
+    V at the action's end, tau 0.5, plain AWR (no anchored term), replacing `critic@1`; online, A = Q_target
+    minus its segment's mean, a first-order "KL", whole segments per batch."""
     rl_roles: tuple[Literal["high", "low"], ...] = Field(("low",), min_length=1)
     """The roles trained by RL after their SFT: `[low]`, System 2 (the method); `[high]` swaps the roles (System 1
     gets the critic and the anchored actor, System 2 stays as cloned; no online phase); `[high, low]` both
@@ -105,6 +110,9 @@ SECTIONS = {"multi2": Multi2Config}
 
 def check(params) -> None:
     check_hierarchy(params, "multi2")
+    if params.multi2.repo_compat and params.multi2.rl_roles != ("low",):
+        raise ValueError(f"multi2.rl_roles: repo_compat reproduces the public code, which trains System 2 only (`[low]`), got "
+                         f"{list(params.multi2.rl_roles)}; set repo_compat: false for the role ablations")
     if params.method != "multi2" or params.evolve.iterations < 2:
         return
     if "low" not in params.multi2.rl_roles:

@@ -15,13 +15,14 @@ it with the expert segments of won trajectories (`annotate`'s, their 0/1 subgoal
 iterations carry `buffer@(k-1)` over. The iteration stops at the round boundary nearest
 `multi2.online.env_steps`. After each round the adapters, the critic, the buffer, the counters and the
 random states are checkpointed, so a killed stage resumes at its round to a bit-identical result.
+
+`multi2.repo_compat`: the critic is heads on System 2's own features (`qevolve.methods.multi2.compat`),
+batches are whole segments, A = Q_target minus its segment's mean and the "KL" first-order (`update`).
 """
 
 from __future__ import annotations
 
-import logging
 import random
-import shutil
 import time
 from pathlib import Path
 
@@ -30,20 +31,20 @@ import torch
 from qevolve.algos.losses import token_logprobs
 from qevolve.algos.rl import awac_kl_loss, iql_losses
 from qevolve.config import Params
-from qevolve.data.atomic import atomic_dir, atomic_path, write_json
+from qevolve.data.atomic import atomic_path, write_json
 from qevolve.data.transitions import read_transitions, write_transitions
 from qevolve.envs import make_env, select_tasks
 from qevolve.envs.base import check_env_failures
 from qevolve.errors import artifact
-from qevolve.hierarchy.critic import LevelCritic, critic_items, load_critic, save_critic, values
+from qevolve.hierarchy.critic import LevelCritic, critic_items, load_critic, load_heads, save_critic, values
 from qevolve.hierarchy.roles import Transition, encode, transitions
-from qevolve.methods.step_hrl.shared import ROLES_FILE, agent_of, read_roles, role_builder, role_names
+from qevolve.methods.multi2.compat import on_actor
+from qevolve.methods.step_hrl.shared import ROLES_FILE, agent_of, read_roles, role_builder, role_names, save_roles_policy
 from qevolve.models.device import placement
 from qevolve.models.policy import load_policy, use_adapter
 from qevolve.rollout import another_round, play_in, spent
-from qevolve.training import changing_tensors, checkpoint_path, fingerprint, input_digest, pad_ids
+from qevolve.training import changing_tensors, checkpoint_path, fingerprint, input_digest, load_round, pad_ids, trained_state
 
-log = logging.getLogger(__name__)
 LEVEL, ANCHOR = "low", "anchor"
 """System 2's role, and the name of the frozen offline adapter the KL is measured against."""
 
@@ -84,11 +85,35 @@ def load_buffer(seed_dir: Path, iteration: int, size: int) -> list[list[dict]]:
     return segments(rows)
 
 
-def update(model, critic: LevelCritic, batch: list[dict], builder, cfg, critic_cfg, optimizers, pad_id: int) -> dict:
+def segment_batch(buffer: list[list[dict]], size: int, rng: random.Random) -> list[dict]:
+    """`repo_compat`'s batch: whole segments drawn at random until they hold `size` transitions or the buffer is spent."""
+    batch = []
+    for seg in rng.sample(buffer, len(buffer)):
+        if len(batch) >= size:
+            break
+        batch += seg
+    return batch
+
+
+def segment_centred(q: torch.Tensor, batch: list[dict]) -> torch.Tensor:
+    """The public code's online advantage: each transition's `q` minus the mean `q` of its segment in the batch."""
+    keys = [(r["trajectory_id"], r["subtask_index"]) for r in batch]
+    index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    group = torch.tensor([index[k] for k in keys], device=q.device)
+    means = torch.zeros(len(index), device=q.device, dtype=q.dtype).index_add_(0, group, q) / torch.bincount(group).to(q.dtype)
+    return q - means[group]
+
+
+def update(model, critic: LevelCritic, batch: list[dict], builder, cfg, critic_cfg, optimizers, pad_id: int, compat: bool = False) -> dict:
     """One critic step (`critic_cfg`: gamma, expectile, target rate) and one actor step (`cfg`, the online
-    section) on `batch`, transitions of System 2."""
+    section) on `batch`, transitions of System 2. `compat` (`multi2.repo_compat`; the critic's heads on
+    System 2's own features): the critic's gradients reach System 2's adapter and its actor step applies
+    them, V is read at the action's end, A = Q_target minus its segment's mean, and the "KL" is first-order."""
     actor_opt, critic_opt = optimizers
-    mb = critic_items(builder, {LEVEL: batch})
+    if compat:
+        use_adapter(model, LEVEL)
+        actor_opt.zero_grad(set_to_none=True)  # not again before the actor's backward: the critic's gradients stay
+    mb = critic_items(builder, {LEVEL: batch}, action_end=compat)
     x = values(critic, mb, pad_id)
     device = x["v"].device
     rewards = torch.tensor([it.reward for it in mb], device=device)
@@ -99,7 +124,7 @@ def update(model, critic: LevelCritic, batch: list[dict], builder, cfg, critic_c
     (v_loss + q_loss).backward()
     critic_opt.step()
     critic.update_target(critic_cfg.target_rate)
-    adv = (x["q"] - x["v"]).detach()
+    adv = (segment_centred(x["q_target"], batch) if compat else x["q"] - x["v"]).detach()
 
     encoded = [encode(builder, r["state_text"], r["output_text"]) for r in batch]
     ids, attn = pad_ids([i for i, _ in encoded], pad_id, device)
@@ -111,8 +136,9 @@ def update(model, critic: LevelCritic, batch: list[dict], builder, cfg, critic_c
     use_adapter(model, LEVEL)
     tok_logp = token_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids)
     seq = (tok_logp * target).sum(-1) / target.sum(-1).clamp(min=1)
-    loss, weighted, kl = awac_kl_loss(seq, adv, tok_logp[target], ref, alpha=cfg.alpha, max_weight=cfg.max_weight, eta=cfg.eta)
-    actor_opt.zero_grad(set_to_none=True)
+    loss, weighted, kl = awac_kl_loss(seq, adv, tok_logp[target], ref, alpha=cfg.alpha, max_weight=cfg.max_weight, eta=cfg.eta, first_order=compat)
+    if not compat:
+        actor_opt.zero_grad(set_to_none=True)
     loss.backward()
     actor_opt.step()
     weights = torch.exp(adv / cfg.alpha).clamp(max=cfg.max_weight)
@@ -139,7 +165,8 @@ def online(params: Params, base_dir: Path, previous_dir: Path, anchor_dir: Path,
     except Exception as err:  # noqa: BLE001 - peft and safetensors raise many kinds for a missing or cut file
         raise artifact(Path(anchor_dir) / LEVEL, f"cannot load the offline System 2 adapter ({type(err).__name__}: {str(err)[:300]})") from err
     use_adapter(model, LEVEL)
-    critic = load_critic(params, base_dir, critic_dir, (LEVEL,), trainable=True)
+    compat = hrl.repo_compat
+    critic = load_heads(on_actor(model, (LEVEL,), cfg.critic_lr), critic_dir) if compat else load_critic(params, base_dir, critic_dir, (LEVEL,), trainable=True)
     builder = role_builder(params, tok)
     buffer = load_buffer(seed_dir, iteration, cfg.buffer_size)
     rng = random.Random(cfg.seed + 1000 * iteration)
@@ -148,19 +175,15 @@ def online(params: Params, base_dir: Path, previous_dir: Path, anchor_dir: Path,
     key = fingerprint(iteration, params.model_dump(include={"env", "model", "policy", "multi2"}),
                       input_digest(previous_dir, anchor_dir, critic_dir, seed_dir))
     state = {"round": 0, "env_steps": 0, "tokens": 0, "generated_tokens": 0, "episodes": 0, "won": 0, "kept": 0, "curve": [], "fingerprint": key}
-    trained, critic_trained = changing_tensors(model), changing_tensors(critic)
-    if ckpt.exists():
-        saved = torch.load(ckpt, weights_only=False)
-        if saved.get("fingerprint") == key:
-            model.load_state_dict(saved.pop("model"), strict=False)
-            critic.load_state_dict(saved.pop("critic"), strict=False)
-            buffer = saved.pop("buffer")
-            rng.setstate(saved.pop("rng"))
-            torch.set_rng_state(saved.pop("torch_rng"))
-            state = saved
-            log.warning("online@%d: resuming from the checkpoint after round %d (%s)", iteration, state["round"], ckpt)
-        else:
-            log.warning("online@%d: ignoring checkpoint %s, written for other settings or other inputs", iteration, ckpt)
+    trained = changing_tensors(model)
+    critic_trained = {n for n in changing_tensors(critic) if not (compat and n.startswith("lm."))}  # under compat, `lm` is the actor
+    if saved := load_round(ckpt, key, f"online@{iteration}"):
+        model.load_state_dict(saved.pop("model"), strict=False)
+        critic.load_state_dict(saved.pop("critic"), strict=False)
+        buffer = saved.pop("buffer")
+        rng.setstate(saved.pop("rng"))
+        torch.set_rng_state(saved.pop("torch_rng"))
+        state = saved
     lister = make_env(env_cfg)
     start = time.perf_counter()
     while another_round(state["env_steps"], cfg.env_steps, state["round"]):
@@ -184,8 +207,10 @@ def online(params: Params, base_dir: Path, previous_dir: Path, anchor_dir: Path,
         critic.train()
         flat = [x for seg in buffer for x in seg]
         optimizers = (torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0),
-                      torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=cfg.critic_lr, weight_decay=0.0))
-        rows = [update(model, critic, rng.sample(flat, min(cfg.batch_size, len(flat))), builder, cfg, hrl.critic, optimizers, tok.pad_token_id)
+                      torch.optim.AdamW([p for n, p in critic.named_parameters() if p.requires_grad and not (compat and n.startswith("lm."))],
+                                        lr=cfg.critic_lr, weight_decay=0.0))
+        draw = (lambda: segment_batch(buffer, cfg.batch_size, rng)) if compat else (lambda: rng.sample(flat, min(cfg.batch_size, len(flat))))
+        rows = [update(model, critic, draw(), builder, cfg, hrl.critic, optimizers, tok.pad_token_id, compat)
                 for _ in range(cfg.updates_per_round)] if flat else []
         row = {"round": r + 1, "env_steps": state["env_steps"], "success_rate": sum(t.won for t in trajs) / max(len(trajs), 1),
                "buffer_segments": len(buffer), "kept_segments": state["kept"]}
@@ -193,15 +218,11 @@ def online(params: Params, base_dir: Path, previous_dir: Path, anchor_dir: Path,
         state["curve"].append(row)
         state["round"] = r + 1
         with atomic_path(ckpt) as tmp:
-            torch.save({**state, "model": {n: t.detach().clone() for n, t in model.state_dict().items() if n in trained},
-                        "critic": {n: t.detach().clone() for n, t in critic.state_dict().items() if n in critic_trained}, "buffer": buffer,
-                        "rng": rng.getstate(),
-                        "torch_rng": torch.get_rng_state()}, tmp)
+            torch.save({**state, "model": trained_state(model, trained), "critic": trained_state(critic, critic_trained), "buffer": buffer,
+                        "rng": rng.getstate(), "torch_rng": torch.get_rng_state()}, tmp)
     model.delete_adapter(ANCHOR)
-    with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp)
-        shutil.copy(Path(previous_dir) / ROLES_FILE, tmp / ROLES_FILE)
-    save_critic(critic, critic_out)
+    save_roles_policy(model, out, previous_dir)
+    save_critic(critic, critic_out, adapter=not compat)
     write_transitions(buffer_out, {LEVEL: [Transition(**{k: v for k, v in x.items() if k in Transition.__dataclass_fields__})
                                            for seg in buffer for x in seg]},
                       lambda text: len(tok.encode(text, add_special_tokens=False)))

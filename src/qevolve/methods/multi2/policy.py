@@ -11,7 +11,6 @@ list. The other roles are not updated; with separate adapters only the RL roles'
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -20,11 +19,11 @@ import torch
 from qevolve.algos.losses import sequence_logprobs
 from qevolve.algos.rl import anchored_awr_loss
 from qevolve.config import Params
-from qevolve.data.atomic import atomic_dir, write_json
+from qevolve.data.atomic import write_json
 from qevolve.hierarchy.agent import RoleStop
 from qevolve.hierarchy.critic import advantages_of, load_critic
 from qevolve.hierarchy.roles import encode, parse_low
-from qevolve.methods.step_hrl.shared import ROLES_FILE, advantage_of, load_roles_policy, read_advantages, role_builder, training_sets
+from qevolve.methods.step_hrl.shared import advantage_of, load_roles_policy, read_advantages, role_builder, save_roles_policy, training_sets
 from qevolve.models.backend import HFBackend
 from qevolve.models.device import model_device, placement
 from qevolve.models.policy import use_adapter
@@ -121,9 +120,7 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, critic_dir: Path,
                   lambda micro: anchored_step(model, critic, sampler, micro, cfg, tok.pad_token_id, separate), "policy",
                   checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, critic_dir, data_dir, collected_dir, advantage_dir))
     elapsed = time.perf_counter() - start
-    with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp)
-        shutil.copy(previous_dir / ROLES_FILE, tmp / ROLES_FILE)
+    save_roles_policy(model, out, previous_dir)
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),
         "first_loss": curve[0]["loss"],

@@ -6,7 +6,6 @@ separate adapters (`step_hrl.adapters`), each role's outputs train its own."""
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -15,9 +14,9 @@ import torch
 from qevolve.algos.losses import sequence_logprobs
 from qevolve.algos.rl import advantage_pg_loss, awr_loss
 from qevolve.config import Params
-from qevolve.data.atomic import atomic_dir, write_json
+from qevolve.data.atomic import write_json
 from qevolve.hierarchy.roles import ROLES, encode
-from qevolve.methods.step_hrl.shared import ROLES_FILE, advantage_of, load_roles_policy, read_advantages, role_builder, role_groups, training_sets
+from qevolve.methods.step_hrl.shared import advantage_of, load_roles_policy, read_advantages, role_builder, role_groups, save_roles_policy, training_sets
 from qevolve.models.device import model_device, placement
 from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train
 
@@ -59,9 +58,7 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
                   lambda micro: actor_step(model, micro, cfg.beta, cfg.max_weight, hrl.repo_compat, tok.pad_token_id, separate), "policy",
                   checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, data_dir, collected_dir, advantage_dir))
     elapsed = time.perf_counter() - start
-    with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp)
-        shutil.copy(previous_dir / ROLES_FILE, tmp / ROLES_FILE)
+    save_roles_policy(model, out, previous_dir)
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),
         "first_loss": curve[0]["loss"],

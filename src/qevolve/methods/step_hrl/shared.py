@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
 
+from qevolve.data.atomic import atomic_dir
 from qevolve.data.store import _read_checked
 from qevolve.data.transitions import read_transitions
 from qevolve.errors import artifact
@@ -47,6 +49,13 @@ def role_prompts(params, builder: PromptBuilder, progress: bool | None = None, h
 def write_roles(folder: Path, prompts: RolePrompts, subtasks: list[str], adapters: str) -> None:
     roles = {"env": prompts.env, "progress": prompts.progress, "history": prompts.history, "subtasks": subtasks, "adapters": adapters}
     (folder / ROLES_FILE).write_text(json.dumps(roles, indent=1) + "\n")
+
+
+def save_roles_policy(model, out: Path, previous_dir: Path) -> None:
+    """Write the trained role adapter(s) to `out` atomically, with the roles file of the policy they came from."""
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        shutil.copy(Path(previous_dir) / ROLES_FILE, tmp / ROLES_FILE)
 
 
 def read_roles(policy_dir: Path) -> dict:
