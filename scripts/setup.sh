@@ -26,3 +26,13 @@ if [ ! -d .dvc ]; then
 fi
 # Games: ALFWORLD_DATA if it holds them, else a local archive (QEVOLVE_ALFWORLD_ARCHIVE), else alfworld-download.
 .venv/bin/qevolve data >/dev/null
+# The terminal environment's sandbox (env.terminal.sandbox: bwrap) is bubblewrap, a system package. Without
+# it everything else works; the terminal environment then says how to get it.
+if ! command -v bwrap >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; } \
+      || echo "setup: could not install bubblewrap; the terminal environment needs it (apt-get install bubblewrap)" >&2
+  else
+    echo "setup: bubblewrap (bwrap) is not installed; the terminal environment needs it: sudo apt-get install bubblewrap" >&2
+  fi
+fi

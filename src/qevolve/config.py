@@ -73,14 +73,34 @@ ENVIRONMENTS = {
     "scienceworld": (("gold",), True, ("train", "valid_seen", "valid_unseen")),
     "webshop": (("gold",), True, ("train", "test")),
     "textcraft": (("planner",), True, ("train", "test")),
+    "terminal": (("oracle",), False, ("train", "test", "test_ood")),
 }
 TEXTCRAFT_TYPES = ("depth2", "depth3", "depth4")
 """TextCraft's task types: the goals' crafting depth (`qevolve.envs.textcraft`). ScienceWorld's (task
 names) and WebShop's (product categories) come from their data and are checked when it is read."""
 
 
+class TerminalConfig(Section):
+    """`env.terminal`: the terminal environment's sandbox and limits (`qevolve.envs.terminal`, `qevolve.envs.sandbox`)."""
+
+    sandbox: Literal["bwrap", "local"] = "bwrap"
+    """`bwrap` (bubblewrap: no network, read-only system, own user and PID namespace), or `local`: no isolation at all."""
+    command_timeout: float = Field(30.0, gt=0)
+    """Seconds a command may run before its processes are killed (the shell survives)."""
+    episode_timeout: float = Field(360.0, gt=0)
+    """An episode's wall clock (a task's `[agent] timeout_sec` can make it shorter): then the validators run."""
+    output_bytes: int = Field(10_000, gt=0)
+    """A command's output is cut to its first and last halves of this many bytes (Terminus-2's 10,000)."""
+    partial_reward: bool = False
+    """Reward the share of validator tests passed instead of 1 only when all pass (won is all either way)."""
+    memory_mb: int = Field(2048, gt=0)
+    processes: int = Field(128, gt=0)
+    file_mb: int = Field(256, gt=0)
+    tmp_mb: int = Field(64, gt=0)
+
+
 class EnvConfig(Section):
-    name: Literal["alfworld", "scienceworld", "webshop", "textcraft"] = "alfworld"
+    name: Literal["alfworld", "scienceworld", "webshop", "textcraft", "terminal"] = "alfworld"
     """Environment adapter (`profiles/` holds a ready params file for each)."""
     task_types: list[str] = Field(default_factory=list)
     """Restrict tasks to these types (ALFWorld: `pick_and_place_simple`, ...; ScienceWorld: task names;
@@ -110,7 +130,9 @@ class EnvConfig(Section):
     before it is recorded as failed (`failure = env_error: ...`)."""
     data_dir: str = ""
     """Where the environment's data lives, if it needs any (WebShop: the folder with the catalogue and
-    goal files; empty = `$WEBSHOP_DATA`). ALFWorld uses its own `ALFWORLD_DATA`."""
+    goal files; empty = `$WEBSHOP_DATA`; terminal: the folder of `<split>/<task id>/` task folders).
+    ALFWorld uses its own `ALFWORLD_DATA`."""
+    terminal: TerminalConfig = TerminalConfig()
 
     @field_validator("task_types")
     @classmethod

@@ -38,6 +38,10 @@ def make_env(cfg: EnvConfig, expert: str | None = None, *, worker: bool = False)
         from qevolve.envs.webshop import WebShopEnv
 
         return WebShopEnv(cfg.data_dir or None)
+    if cfg.name == "terminal":
+        from qevolve.envs.terminal import TerminalEnv
+
+        return TerminalEnv(cfg.data_dir, cfg.terminal, cfg.max_steps, expert)
     raise ValueError(f"env.name: unknown environment {cfg.name!r}")
 
 
@@ -55,6 +59,15 @@ def check_data(cfg: EnvConfig) -> None:
         from qevolve.envs.webshop import WebShopEnv
 
         _check_types(cfg, WebShopEnv(cfg.data_dir or None).tasks("train"))
+    elif cfg.name == "terminal":
+        from qevolve.envs.sandbox import SandboxError, available
+        from qevolve.envs.terminal import TerminalEnv
+
+        if why := available(cfg.terminal.sandbox):
+            raise SandboxError(f"env.terminal.sandbox: {why}")
+        if not cfg.data_dir:
+            raise ValueError("env.data_dir: the terminal environment needs the folder of its <split>/<task id>/ task folders")
+        _check_types(cfg, TerminalEnv(cfg.data_dir, cfg.terminal, cfg.max_steps).tasks("train"))
 
 
 def _check_types(cfg: EnvConfig, tasks) -> None:

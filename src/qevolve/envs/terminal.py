@@ -1,0 +1,174 @@
+"""Terminal tasks behind the `TextEnv` protocol (`env.name: terminal`; ../shared/research/terminaltraj.md).
+
+A task is a folder in the Harbor / Terminal-Bench 2 layout, under `env.data_dir/<split>/<task id>/`:
+- `instruction.md`: what the agent is asked to do;
+- `task.toml`: `[metadata] category` (the task's type: its family or domain), `difficulty`;
+  `[agent] timeout_sec` (the episode's wall clock), `[verifier] timeout_sec` (the validators');
+- `environment/`: the files the episode starts with, copied into its working directory (/app), and an
+  optional `setup.sh` run there first (it is not left for the agent to read);
+- `tests/`: pytest validators of the end state, which the agent never sees;
+- `solution/solve.sh`: the oracle, one command per line (the expert's steps; a script whose lines do not
+  each parse alone is one step).
+
+An episode is a persistent shell in a sandbox (`qevolve.envs.sandbox`, `env.terminal.sandbox`); an action is
+one command, or `submit`. The observation is the command's output and its exit status. A step is invalid
+(relabel's "rejected") when the command is empty or does not parse, is not found (status 127) or timed out.
+When the agent submits, reaches `env.max_steps` or the wall clock, `tests/` is copied in and run with
+pytest in the same sandbox: won = every test passed; the reward is 1/0, or the share passed
+(`env.terminal.partial_reward`). The per-test results are in the last step's `info`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from qevolve.envs.base import Observation, Step, Task
+from qevolve.envs.sandbox import Limits, Session
+
+SUBMIT = "submit"
+EXPERTS = ("oracle",)
+REPORT = ".qevolve-validators.xml"
+
+
+class TaskError(ValueError):
+    """A task folder that does not hold what the layout needs."""
+
+
+def read_task(folder: Path) -> dict:
+    """The task's settings from `task.toml` (an error naming the file and field when malformed)."""
+    folder = Path(folder)
+    for need in ("instruction.md", "tests"):
+        if not (folder / need).exists():
+            raise TaskError(f"{folder / need}: missing; a terminal task needs instruction.md, tests/ and task.toml")
+    path = folder / "task.toml"
+    try:
+        meta = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise TaskError(f"{path}: missing; a terminal task needs instruction.md, tests/ and task.toml") from None
+    except tomllib.TOMLDecodeError as err:
+        raise TaskError(f"{path}: not valid TOML: {err}") from None
+    out = {"category": meta.get("metadata", {}).get("category", "general"),
+           "agent_timeout": meta.get("agent", {}).get("timeout_sec", 360.0), "verifier_timeout": meta.get("verifier", {}).get("timeout_sec", 60.0)}
+    for key, field in (("agent_timeout", "agent.timeout_sec"), ("verifier_timeout", "verifier.timeout_sec")):
+        if not isinstance(out[key], (int, float)) or out[key] <= 0:
+            raise TaskError(f"{path}: {field} must be a positive number of seconds, got {out[key]!r}")
+    if not isinstance(out["category"], str) or not out["category"]:
+        raise TaskError(f"{path}: metadata.category must be a non-empty string, got {out['category']!r}")
+    return out
+
+
+def oracle_steps(script: str) -> list[str]:
+    """`solve.sh` as steps: its command lines (comments, blank lines and the shebang dropped), or the whole
+    script as one step when some line does not parse alone (a heredoc, a multi-line block)."""
+    lines = [ln for ln in script.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    if all(_parses(ln) for ln in lines):
+        return lines
+    return [script]
+
+
+def _parses(command: str) -> bool:
+    """bash reads `command` alone without an error or a warning (an unterminated heredoc only warns)."""
+    done = subprocess.run(["bash", "-n", "-c", command], capture_output=True)
+    return done.returncode == 0 and not done.stderr
+
+
+def test_results(report: Path) -> dict[str, str]:
+    """pytest's JUnit XML -> test name -> passed | failed | error | skipped."""
+    out = {}
+    for case in ET.parse(report).iter("testcase"):
+        kinds = [c.tag for c in case if c.tag in ("failure", "error", "skipped")]
+        out[f"{case.get('classname', '')}::{case.get('name', '')}"] = {"failure": "failed"}.get(kinds[0], kinds[0]) if kinds else "passed"
+    return out
+
+
+class TerminalEnv:
+    def __init__(self, data_dir: str, cfg, max_steps: int, expert: str | None = None):
+        self.root, self.cfg, self.max_steps, self.expert = Path(data_dir), cfg, max_steps, expert
+        self.session: Session | None = None
+        self.episode_dir: Path | None = None
+        self.info: dict = {}
+
+    def tasks(self, split: str) -> list[Task]:
+        folder = self.root / split
+        if not folder.is_dir():
+            raise ValueError(f"{folder}: no split {split!r} of terminal tasks here (env.data_dir holds <split>/<task id>/ folders)")
+        return [Task(id=d.name, split=split, type=read_task(d)["category"]) for d in sorted(folder.iterdir()) if d.is_dir()]
+
+    def reset(self, task: Task) -> Observation:
+        self.close()
+        self.folder = self.root / task.split / task.id
+        self.meta = read_task(self.folder)
+        self.episode_dir = Path(tempfile.mkdtemp(prefix="qevolve-terminal-"))
+        env_dir = self.folder / "environment"
+        if env_dir.is_dir():
+            shutil.copytree(env_dir, self.episode_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("setup.sh"))
+        cfg = self.cfg
+        self.session = Session(cfg.sandbox, self.episode_dir, Limits(cfg.memory_mb, cfg.processes, cfg.file_mb, cfg.tmp_mb), cfg.output_bytes)
+        setup = env_dir / "setup.sh"
+        if setup.is_file():
+            done = self.session.run(f"(\n{setup.read_text()}\n)", cfg.command_timeout * 4)
+            if done.status != 0:
+                raise TaskError(f"{setup}: exited with status {done.status}: {done.output[-300:]!r}")
+        self.steps, self.started = 0, time.monotonic()
+        self.plan = oracle_steps((self.folder / "solution" / "solve.sh").read_text()) + [SUBMIT] if self.expert else []
+        listing = self.session.run("ls -la", cfg.command_timeout).output
+        instruction = (self.folder / "instruction.md").read_text().strip()
+        return Observation(instruction, f"{self.session.app}$ ls -la\n{listing}".rstrip())
+
+    def step(self, action: str) -> Step:
+        if self.session is None:
+            raise RuntimeError("step before reset")
+        self.steps += 1
+        command = action.strip()
+        if self.plan and command == self.plan[0]:
+            self.plan.pop(0)
+        if command == SUBMIT:
+            return self._validate("submitted")
+        if not command or not _parses(command):
+            text, valid = f"bash: cannot parse the command {command!r}", False
+        else:
+            result = self.session.run(command, self.cfg.command_timeout)
+            notes = [f"[timed out after {self.cfg.command_timeout:g} s]"] * result.timed_out
+            notes += ["[the shell was restarted: the working directory and variables are reset]"] * result.restarted
+            text = "\n".join([result.output.rstrip(), *notes, f"[exit status {result.status}]"]).strip()
+            valid = not (result.timed_out or result.status == 127 or "command not found" in result.output)
+        if self.steps >= self.max_steps:
+            return self._validate("max_steps", text, valid)
+        if time.monotonic() - self.started > min(self.cfg.episode_timeout, self.meta["agent_timeout"]):
+            return self._validate("timeout", text, valid)
+        return Step(text, 0.0, False, False, valid)
+
+    def _validate(self, why: str, text: str = "", valid: bool = True) -> Step:
+        """Copy the validators in, run them, and end the episode."""
+        tests = self.episode_dir / "tests"
+        shutil.rmtree(tests, ignore_errors=True)
+        shutil.copytree(self.folder / "tests", tests)
+        report = self.episode_dir / REPORT
+        report.unlink(missing_ok=True)
+        run = self.session.run(f"cd {self.session.app} && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {sys.executable} -m pytest -q -p no:cacheprovider "
+                               f"--junitxml={self.session.app}/{REPORT} tests", self.meta["verifier_timeout"])
+        results = test_results(report) if report.is_file() else {}
+        passed = sum(v == "passed" for v in results.values())
+        won = bool(results) and passed == len(results)
+        reward = 1.0 if won else (passed / len(results) if results and self.cfg.partial_reward else 0.0)
+        self.info = {"ended": why, "tests": results, "tests_passed": passed, "tests_total": len(results), "validator_timed_out": run.timed_out}
+        summary = f"[episode ended ({why}): {passed}/{len(results)} tests passed]"
+        return Step(f"{text}\n{summary}".strip(), reward, True, won, valid)
+
+    def expert_action(self) -> str | None:
+        return self.plan[0] if self.plan else None
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+        if self.episode_dir is not None:
+            shutil.rmtree(self.episode_dir, ignore_errors=True)
+            self.episode_dir = None

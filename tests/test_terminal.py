@@ -1,0 +1,215 @@
+"""The terminal environment: the sandbox's promises on the real bubblewrap backend, task folders, the
+oracle's steps and the validators' verdict."""
+
+import os
+import shutil
+import subprocess
+import textwrap
+import time
+
+import pytest
+
+from qevolve.config import TerminalConfig
+from qevolve.envs.base import Task
+from qevolve.envs.sandbox import Limits, Session, SandboxError, clip
+from qevolve.envs.terminal import SUBMIT, TaskError, TerminalEnv, oracle_steps, read_task
+
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (scripts/setup.sh installs it where it can)")
+
+
+def test_output_is_cut_to_its_head_and_tail_with_ansi_stripped():
+    assert clip(b"\x1b[31mred\x1b[0m ok \xff", 100) == "red ok \ufffd"
+    # 26 bytes, budget 10: the first 5 and last 5 kept, 16 left out
+    assert clip(b"abcdefghijklmnopqrstuvwxyz", 10) == "abcde\n[... output limited to 10 bytes; 16 interior bytes omitted ...]\nvwxyz"
+    # what a streamed capture never kept counts too
+    assert clip(b"abcdefg", 10, omitted=100, tail=b"uvwxyz") == "abcde\n[... output limited to 10 bytes; 103 interior bytes omitted ...]\nvwxyz"
+
+
+@needs_bwrap
+def test_the_bwrap_sandbox_keeps_shell_state_and_isolates_the_system(tmp_path):
+    s = Session("bwrap", tmp_path)
+    try:
+        assert s.run("mkdir sub && cd sub && export X=5; pwd").output.strip() == "/app/sub"
+        assert s.run("echo $X; pwd").output.split() == ["5", "/app/sub"], "cd and variables persist"
+        assert s.run("id -u").output.strip() == "1000"
+        r = s.run("echo hi > /app/sub/f.txt; touch /usr/x /etc/x; echo $?")
+        assert "Read-only file system" in r.output and (tmp_path / "sub" / "f.txt").read_text() == "hi\n"
+        assert s.run(f"test -e {__file__}; echo $?").output.strip() == "1", "the host's files are not there"
+        r = s.run("curl -sS --max-time 5 http://127.0.0.1:1 2>&1; curl -sS --max-time 5 http://example.com 2>&1; echo $?")
+        assert "Could not resolve host" in r.output or "Couldn't connect" in r.output
+        assert s.run("python3 -c 'x = bytearray(4 << 30)' 2>&1 | tail -1").output.strip() == "MemoryError"
+        assert s.run("false").status == 1 and s.run("nonexistent-cmd").status == 127
+    finally:
+        s.close()
+
+
+@needs_bwrap
+def test_a_runaway_command_is_killed_and_the_shell_survives(tmp_path):
+    s = Session("bwrap", tmp_path)
+    try:
+        s.run("cd /tmp; export KEEP=1")
+        start = time.monotonic()
+        r = s.run("sleep 60; echo after", timeout=1.0)
+        assert r.timed_out and not r.restarted and time.monotonic() - start < 10
+        assert "after" in r.output, "only the command's process is killed: the rest of the line runs"
+        assert s.run("echo $KEEP; pwd").output.split() == ["1", "/tmp"]
+        # a loop in the shell itself cannot be killed apart from it: the sandbox is started again, same folder
+        r = s.run("while true; do :; done", timeout=1.0)
+        assert r.timed_out and r.restarted and r.status == 137
+        assert s.run("echo ${KEEP:-unset}; pwd").output.split() == ["unset", "/app"]
+    finally:
+        s.close()
+
+
+@needs_bwrap
+def test_a_fork_bomb_and_a_gigabyte_of_output_are_contained(tmp_path):
+    s = Session("bwrap", tmp_path, Limits(processes=64), output_bytes=1000)
+    try:
+        start = time.monotonic()
+        r = s.run("head -c 1000000000 /dev/zero | tr '\\0' b", timeout=60)
+        assert r.status == 0 and "999999000 interior bytes omitted" in r.output and len(r.output) < 1200
+        s.run(":(){ :|:& };:", timeout=3)
+        time.sleep(1)
+        count = len(_under(s.proc.pid))
+        assert count <= 64 + 3, f"{count} processes in the sandbox"
+        assert time.monotonic() - start < 60
+    finally:
+        s.close()
+    assert not _under(s.proc.pid if s.proc else -1)
+
+
+@needs_bwrap
+def test_nothing_of_an_episode_survives_it(tmp_path):
+    s = Session("bwrap", tmp_path)
+    s.run("sleep 1234 & setsid sleep 1235 & nohup sleep 1236 >/dev/null 2>&1 &")
+    s.close()
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", "sleep 123[456]"], capture_output=True, text=True).stdout
+    assert left == "", f"processes outlived the sandbox: {left}"
+
+
+def test_an_unknown_or_missing_backend_is_a_clear_error(tmp_path, monkeypatch):
+    with pytest.raises(SandboxError, match=r"env.terminal.sandbox: unknown sandbox 'docker2'"):
+        Session("docker2", tmp_path)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(SandboxError, match=r"bubblewrap .* is not installed: `apt-get install bubblewrap`"):
+        Session("bwrap", tmp_path)
+
+
+def _under(pid: int) -> list[int]:
+    from qevolve.envs.sandbox import _descendants
+
+    return _descendants(pid) if pid > 0 and os.path.exists(f"/proc/{pid}") else []
+
+
+def _task(root, name="count", split="train", tests=None, solve="wc -l < data.txt > count.txt\n", toml=None):
+    """A task: count the lines of data.txt (made by setup.sh) into count.txt."""
+    t = root / split / name
+    (t / "environment").mkdir(parents=True)
+    (t / "tests").mkdir()
+    (t / "solution").mkdir()
+    (t / "instruction.md").write_text("Write the number of lines of data.txt to count.txt.\n")
+    (t / "task.toml").write_text(toml or '[metadata]\ncategory = "text"\n[agent]\ntimeout_sec = 60\n[verifier]\ntimeout_sec = 10\n')
+    (t / "environment" / "setup.sh").write_text("printf 'a\\nb\\nc\\n' > data.txt\n")
+    (t / "environment" / "README").write_text("data.txt is made at start\n")
+    (t / "tests" / "test_count.py").write_text(tests or textwrap.dedent("""
+        from pathlib import Path
+
+        def test_count():
+            assert Path("count.txt").read_text().strip() == "3"
+
+        def test_data_kept():
+            assert Path("data.txt").read_text().count("\\n") == 3
+        """))
+    (t / "solution" / "solve.sh").write_text("#!/bin/bash\n# the oracle\n" + solve)
+    return t
+
+
+def _play(env, task, actions):
+    obs = env.reset(task)
+    steps = []
+    for a in actions:
+        steps.append(env.step(a))
+        if steps[-1].done:
+            break
+    return obs, steps
+
+
+@pytest.mark.parametrize("sandbox", ["bwrap", "local"])
+def test_the_oracle_wins_a_do_nothing_agent_loses_and_the_tests_stay_hidden(tmp_path, sandbox):
+    if sandbox == "bwrap" and shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    _task(tmp_path / "tasks")
+    env = TerminalEnv(str(tmp_path / "tasks"), TerminalConfig(sandbox=sandbox), max_steps=10, expert="oracle")
+    try:
+        [task] = env.tasks("train")
+        assert task == Task("count", "train", "text")
+        obs = env.reset(task)
+        assert "README" in obs.text and "data.txt" in obs.text and "setup.sh" not in obs.text and "tests" not in obs.text
+        assert obs.instruction.startswith("Write the number of lines")
+        actions = []
+        while (a := env.expert_action()) is not None:
+            actions.append(a)
+            step = env.step(a)
+        assert actions == ["wc -l < data.txt > count.txt", SUBMIT]
+        assert step.done and step.won and step.reward == 1.0 and env.info["tests_passed"] == env.info["tests_total"] == 2
+        _, steps = _play(env, task, ["ls tests 2>&1", SUBMIT])
+        assert "No such file" in steps[0].observation
+        assert steps[-1].done and not steps[-1].won and steps[-1].reward == 0.0 and env.info["tests_passed"] == 1
+        assert "[episode ended (submitted): 1/2 tests passed]" in steps[-1].observation
+        # partial credit on request; a step cap validates as well
+        env.cfg = TerminalConfig(sandbox=sandbox, partial_reward=True)
+        env.max_steps = 2
+        _, steps = _play(env, task, ["true", "nonexistent-cmd"])
+        assert steps[0].valid and not steps[1].valid and "[exit status 127]" in steps[1].observation
+        assert steps[-1].done and steps[-1].reward == 0.5 and env.info["ended"] == "max_steps"
+    finally:
+        env.close()
+
+
+@needs_bwrap
+def test_a_hanging_validator_is_timed_out_and_loses(tmp_path):
+    _task(tmp_path / "tasks", tests="import time\n\ndef test_hangs():\n    time.sleep(60)\n",
+          toml='[metadata]\ncategory = "text"\n[verifier]\ntimeout_sec = 2\n')
+    env = TerminalEnv(str(tmp_path / "tasks"), TerminalConfig(), max_steps=5)
+    try:
+        start = time.monotonic()
+        _, steps = _play(env, env.tasks("train")[0], [SUBMIT])
+        assert steps[-1].done and not steps[-1].won and env.info["validator_timed_out"] and time.monotonic() - start < 30
+    finally:
+        env.close()
+
+
+def test_a_bad_task_folder_names_the_file_and_the_field(tmp_path):
+    t = _task(tmp_path, toml='[verifier]\ntimeout_sec = "soon"\n')
+    with pytest.raises(TaskError, match=r"task.toml: verifier.timeout_sec must be a positive number of seconds, got 'soon'"):
+        read_task(t)
+    (t / "task.toml").write_text("[metadata\n")
+    with pytest.raises(TaskError, match=r"task.toml: not valid TOML"):
+        read_task(t)
+    shutil.rmtree(t / "tests")
+    with pytest.raises(TaskError, match=r"tests: missing; a terminal task needs"):
+        read_task(t)
+
+
+def test_the_oracle_is_split_into_its_command_lines_unless_a_line_does_not_parse_alone():
+    assert oracle_steps("#!/bin/bash\n# c\n\ncd x\necho 'a b' > f\n") == ["cd x", "echo 'a b' > f"]
+    heredoc = "cat > f <<'EOF'\nline\nEOF\necho done\n"
+    assert oracle_steps(heredoc) == [heredoc]
+
+
+def test_params_pick_the_terminal_environment_and_check_its_data(tmp_path):
+    from qevolve.config import ConfigError, parse_params
+    from qevolve.envs import check_data, make_env
+
+    _task(tmp_path / "tasks")
+    raw = {"env": {"name": "terminal", "data_dir": str(tmp_path / "tasks"), "terminal": {"sandbox": "local", "command_timeout": 5}},
+           "experts": {"demos": {"oracle": 1}}, "evaluate": {"splits": {"train": 1}}, "policy": {"action_mode": "free"}}
+    params = parse_params(raw)
+    check_data(params.env)
+    env = make_env(params.env, "oracle")
+    assert [t.id for t in env.tasks("train")] == ["count"] and env.cfg.command_timeout == 5
+    with pytest.raises(ConfigError, match=r"env.terminal.sandbox"):
+        parse_params({**raw, "env": {**raw["env"], "terminal": {"sandbox": "docker2"}}})
+    with pytest.raises(ValueError, match=r"env.data_dir: the terminal environment needs"):
+        check_data(parse_params({**raw, "env": {"name": "terminal", "terminal": {"sandbox": "local"}}}).env)
