@@ -213,3 +213,36 @@ def test_params_pick_the_terminal_environment_and_check_its_data(tmp_path):
         parse_params({**raw, "env": {**raw["env"], "terminal": {"sandbox": "docker2"}}})
     with pytest.raises(ValueError, match=r"env.data_dir: the terminal environment needs"):
         check_data(parse_params({**raw, "env": {"name": "terminal", "terminal": {"sandbox": "local"}}}).env)
+
+
+@needs_bwrap
+def test_every_family_passes_the_sanity_gate_and_its_mistakes_fail_its_validators(tmp_path):
+    from qevolve.envs.terminal_tasks import FAMILIES, _episode, gate, make, write_task
+
+    assert make("csv", 3) == make("csv", 3) and make("csv", 3) != make("csv", 4), "a family and seed make one task"
+    env = TerminalEnv(str(tmp_path), TerminalConfig(), max_steps=10)
+    try:
+        for family in FAMILIES:
+            spec = make(family, 0)
+            write_task(spec, tmp_path / "train" / family)
+            task = Task(family, "train", family)
+            assert env.tasks("train")[-1].type in FAMILIES and gate(env, task) == "", family
+            for i, wrongs in enumerate(spec.mistakes):
+                for wrong in wrongs:
+                    assert not _episode(env, task, [*spec.solution[:i], wrong, *spec.solution[i + 1:], SUBMIT]), f"{family}: {wrong!r} passes"
+    finally:
+        env.close()
+
+
+def test_the_gate_rejects_a_task_a_do_nothing_agent_passes_and_one_its_oracle_fails(tmp_path):
+    from qevolve.envs.terminal_tasks import gate
+
+    free = _task(tmp_path, "free", tests="def test_nothing():\n    assert True\n")
+    broken = _task(tmp_path, "broken", solve="echo 4 > count.txt\n")
+    env = TerminalEnv(str(tmp_path), TerminalConfig(sandbox="local"), max_steps=5)
+    try:
+        assert gate(env, Task(free.name, "train", "text")) == "noop_passes"
+        assert gate(env, Task(broken.name, "train", "text")) == "oracle_fails"
+        assert gate(env, Task(_task(tmp_path, "fine").name, "train", "text")) == ""
+    finally:
+        env.close()
