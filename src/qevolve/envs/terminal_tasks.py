@@ -105,7 +105,7 @@ def csv(rng: random.Random) -> Spec:
         [f"awk -F, 'NR>1 && $2==\"{region}\" {{s+=$3}} END {{print s}}' data.csv > total.txt"],
         [[f"awk -F';' 'NR>1 && $2==\"{region}\" {{s+=$3}} END {{print s}}' data.csv > total.txt",
           f"awk -F, 'NR>1 && $2==\"{region}\" {{s+=$1}} END {{print s}}' data.csv > total.txt",
-          f"awk -F, 'NR>1 {{s+=$3}} END {{print s}}' data.csv > total.txt",
+          "awk -F, 'NR>1 {s+=$3} END {print s}' data.csv > total.txt",
           f"grep -c {region} data.csv > total.txt"]],
     )
 
