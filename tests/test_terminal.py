@@ -246,3 +246,27 @@ def test_the_gate_rejects_a_task_a_do_nothing_agent_passes_and_one_its_oracle_fa
         assert gate(env, Task(_task(tmp_path, "fine").name, "train", "text")) == ""
     finally:
         env.close()
+
+
+def test_the_noisy_teacher_makes_its_mistakes_at_their_rate_and_recovers_at_its_own():
+    import random
+
+    from qevolve.envs.terminal_tasks import teacher_plan
+
+    assert teacher_plan(["a", "b"], [["x"], ["y"]], random.Random(0), p_err=0.0) == ["a", "b", SUBMIT]
+    assert teacher_plan(["a", "b"], [["x"], ["y"]], random.Random(0), p_err=1.0, p_fix=0.0) == ["x", "y", SUBMIT]
+    assert teacher_plan(["a", "b"], [["x"], ["y"]], random.Random(0), p_err=1.0, p_fix=1.0) == ["x", "ls -la", "a", "y", "ls -la", "b", SUBMIT]
+    plans = [teacher_plan(["a"], [["x"]], random.Random(s), p_err=0.3, p_fix=0.5) for s in range(2000)]
+    wrong = [p for p in plans if p[0] == "x"]
+    assert abs(len(wrong) / 2000 - 0.3) < 0.03 and abs(sum(len(p) == 4 for p in wrong) / len(wrong) - 0.5) < 0.06
+
+
+def test_the_transcript_judge_believes_a_confident_ending_and_nothing_else():
+    from qevolve.envs.terminal_tasks import transcript_judge
+
+    ok = ["out\n[exit status 0]", "[exit status 0]", "[episode ended (submitted): 0/1 tests passed]"]
+    assert transcript_judge(ok, ["cmd", "cmd", SUBMIT]) == (True, "accepted"), "it cannot see the state was wrong"
+    assert transcript_judge(ok[:2], ["cmd", "cmd"]) == (False, "not_submitted")
+    assert transcript_judge(["x\n[exit status 1]", "end"], ["cmd", SUBMIT]) == (False, "last_command_failed")
+    assert transcript_judge(["ls: cannot access 'x': No such file or directory\n[exit status 2]", "[exit status 0]", "end"],
+                            ["ls x", "true", SUBMIT]) == (False, "error_seen")

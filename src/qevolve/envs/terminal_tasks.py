@@ -274,3 +274,37 @@ def gate(env, task) -> str:
     if not _episode(env, task, oracle):
         return "flaky"
     return ""
+
+
+def teacher_plan(solution: list[str], mistakes: list[list[str]], rng: random.Random, p_err: float = 0.3, p_fix: float = 0.5) -> list[str]:
+    """The noisy scripted teacher's commands for one rollout: each oracle command, or with probability
+    `p_err` one of its mistakes in its place, after which with probability `p_fix` the teacher looks
+    (`ls -la`) and runs the right command; then `submit`, always (a teacher that believes it is done)."""
+    plan = []
+    for i, command in enumerate(solution):
+        wrong = mistakes[i] if i < len(mistakes) else []
+        if wrong and rng.random() < p_err:
+            plan.append(rng.choice(wrong))
+            if rng.random() < p_fix:
+                plan += ["ls -la", command]
+        else:
+            plan.append(command)
+    return plan + [SUBMIT]
+
+
+ERROR_MARKERS = ("error", "no such file", "traceback", "command not found", "cannot", "permission denied", "invalid")
+
+
+def transcript_judge(observations: list[str], actions: list[str], window: int = 3) -> tuple[bool, str]:
+    """The offline stand-in for an LLM judge (it is a rule, not an LLM): it reads the transcript only and
+    accepts when the agent submitted, its last command before that exited 0, and none of the last
+    `window` outputs shows an error marker. Like a transcript-only judge, it believes a confident wrong
+    ending. (accepted, reason) with reason one of accepted, not_submitted, last_command_failed, error_seen."""
+    if not actions or actions[-1].strip() != SUBMIT:
+        return False, "not_submitted"
+    commands = observations[: len(actions) - 1]
+    if commands and not commands[-1].rstrip().endswith("[exit status 0]"):
+        return False, "last_command_failed"
+    if any(m in o.lower() for o in commands[-window:] for m in ERROR_MARKERS):
+        return False, "error_seen"
+    return True, "accepted"
