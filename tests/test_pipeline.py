@@ -56,7 +56,9 @@ def _method_params() -> dict:
     from qevolve.config import parse_params
     from qevolve.recipe import methods
 
-    raw = {"qevolve": {"rerank": {"best_of": 2}}, "multi2": {"evolve": {"iterations": 2}}}
+    raw = {"qevolve": {"rerank": {"best_of": 2}}, "multi2": {"evolve": {"iterations": 2}},
+           "terminaltraj": {"env": {"name": "terminal", "data_dir": "data/instances"}, "experts": {"demos": {"oracle": 1}},
+                            "policy": {"action_mode": "free"}, "evaluate": {"splits": {"test": 0}}}}
     return {m: parse_params({"method": m, "evolve": {"iterations": 1}, **raw.get(m, {})}) for m in methods()}
 
 
@@ -328,7 +330,7 @@ def test_a_method_is_its_package(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path / "src")},
                          capture_output=True, text=True, check=True).stdout.strip()
-    assert out == ("['grpo', 'grpo_copy', 'multi2', 'qevolve', 'step_hrl'] ['1', '2'] ['src/qevolve/methods/__init__.py', 'src/qevolve/methods/grpo/__init__.py', "
+    assert out == ("['grpo', 'grpo_copy', 'multi2', 'qevolve', 'step_hrl', 'terminaltraj'] ['1', '2'] ['src/qevolve/methods/__init__.py', 'src/qevolve/methods/grpo/__init__.py', "
                    "'src/qevolve/methods/grpo/config.py', 'src/qevolve/methods/grpo_copy/__init__.py', 'src/qevolve/methods/grpo_copy/online.py'] "
                    "[('evaluate', 0), ('online', 1), ('evaluate', 1), ('online', 2), ('evaluate', 2)]")
 

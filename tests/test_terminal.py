@@ -270,3 +270,42 @@ def test_the_transcript_judge_believes_a_confident_ending_and_nothing_else():
     assert transcript_judge(["x\n[exit status 1]", "end"], ["cmd", SUBMIT]) == (False, "last_command_failed")
     assert transcript_judge(["ls: cannot access 'x': No such file or directory\n[exit status 2]", "[exit status 0]", "end"],
                             ["ls x", "true", SUBMIT]) == (False, "error_seen")
+
+
+@needs_bwrap
+def test_terminaltraj_runs_end_to_end_and_keeps_only_verified_rollouts(tmp_path, monkeypatch):
+    from qevolve import dvcfile, paths
+    from qevolve.config import ConfigError, parse_params
+    from qevolve.data.store import read_store
+    from qevolve.stages import pipeline, run_stage
+    from tests.test_env_pipelines import _tiny
+
+    raw = _tiny("terminal", tmp_path)
+    raw["terminaltraj"] = {"generate": {"families": ["text", "json", "csv", "files"], "held_out": ["files"], "per_family": 3, "test_share": 0.5},
+                           "teacher": {"rollouts": 2, "p_err": 0.5}}
+    raw["policy"]["action_mode"] = "free"
+    params = parse_params(raw)
+    with pytest.raises(ConfigError, match=r"env.data_dir: under TerminalTraj the tasks are the ones `generate` writes"):
+        parse_params({**raw, "env": {**raw["env"], "data_dir": "elsewhere"}})
+    spec = dvcfile.spec(params)["stages"]
+    assert "data/instances" in spec["collect"]["do"]["deps"] and "data/instances" in spec["evaluate"]["do"]["deps"], "the tasks are a dep"
+    monkeypatch.chdir(tmp_path)
+    metrics = {f"{s}@{k}" if k is not None else s: run_stage(s, params, k) for s, k in pipeline(params, 1)}
+    g = metrics["generate"]
+    assert g["generated"] == 12 and g["passed_gate"] == 12 and g["test_ood_tasks"] == 3 and g["train_tasks"] > 0 and g["test_tasks"] > 0
+    assert sorted(p.name for p in (tmp_path / "data" / "instances" / "test_ood").iterdir()) == ["files-0000", "files-0001", "files-0002"]
+    t = metrics["teacher"]
+    assert t["rollouts"] == 2 * g["train_tasks"] and 0 < t["verified"] < t["rollouts"], "a noisy teacher wins some and loses some"
+    v = metrics["verify"]
+    assert v["true_positives"] + v["false_negatives"] == t["verified"] and v["trajectories"] == t["rollouts"]
+    kept = read_store(paths.EXPERTS)
+    assert kept and all(x.won for x in kept) and len(kept) == metrics["filter"]["kept"] == t["verified"]
+    assert metrics["bc"]["loss"] < metrics["bc"]["first_loss"]
+    for k in (0, 1):
+        assert set(metrics[f"evaluate@{k}"]) >= {"test", "test_ood"}
+        assert metrics[f"evaluate@{k}"]["test_ood"]["episodes"] == 2
+    assert metrics["evaluate@0"]["test"]["cumulative_env_steps"] == t["cumulative_env_steps"]
+    # the judge's filter keeps what the transcript rule accepts, won or not
+    judged = parse_params({**raw, "terminaltraj": {**raw["terminaltraj"], "filter": {"keep": "judge"}}})
+    f = run_stage("filter", judged, None)
+    assert f["kept"] == v["true_positives"] + v["false_positives"]

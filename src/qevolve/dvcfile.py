@@ -102,7 +102,22 @@ def spec(params: Params) -> dict:
     if loop:
         stages |= {s.name: _entry(s, params, at) for s in recipe.iteration(params) if (at := [k for k in loop if s.runs_at(k)])}
     stages["evaluate"] = _entry(recipe.evaluate(), params, [0, *loop])
+    _env_data_deps(params, [*recipe.setup, *recipe.iteration(params), recipe.evaluate()], stages)
     return {"stages": stages}
+
+
+def _env_data_deps(params: Params, specs: list[Stage], stages: dict) -> None:
+    """Where `env.data_dir` is an artifact of this pipeline (TerminalTraj's generated tasks), it is a dep of
+    every stage that reads the `env` section, the environment's tasks being in it."""
+    data = params.env.data_dir
+    written = {str(p) for s in specs for p in s.writes(1).values()}
+    if data not in written:
+        return
+    for s in specs:
+        body = stages.get(s.name)
+        if body is not None and data not in {str(p) for p in s.writes(1).values()} and any(k == "env" or k.startswith("env.") for k in s.params):
+            deps = body.get("do", body)["deps"]
+            deps += [data] * (data not in deps)
 
 
 def _lineage_keys(keys: tuple[str, ...], params: Params) -> list[str]:

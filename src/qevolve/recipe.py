@@ -93,12 +93,14 @@ class Recipe:
     """Where `evaluate` (playing `paths.policy(k)` greedily on the evaluation splits) lives."""
     evaluate_params: tuple[str, ...] = ()
     """The params keys that this method's `evaluate` reads beside `ACTING_PARAMS` and `evaluate`."""
+    demonstrations: str = "experts"
+    """The setup stage that played the demonstrations: its metrics carry the env steps policy 0 cost."""
 
     def steps_before(self, k: int) -> Path:
         """The metrics file with the env steps spent to train policy k: the experts' for k = 0, else
         this recipe's stage that played iteration k's episodes."""
         if k == 0:
-            return paths.metrics("experts")
+            return paths.metrics(self.demonstrations)
         return paths.metrics(f"{self.plays(k) if callable(self.plays) else self.plays}@{k}")
 
     def evaluate(self) -> Stage:

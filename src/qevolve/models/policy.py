@@ -173,7 +173,7 @@ class Actor:
 
     def parse(self, output: str) -> str | None:
         """The action in an output, or None on a format error."""
-        return parse_action(output)[0]
+        return parse_action(output, self.builder.keep_case)[0]
 
     def observed(self, episodes: list) -> None:
         """Called after each round with the episodes that just took a step; a flat actor keeps no state."""

@@ -33,21 +33,26 @@ INTRODUCTIONS = {
                f"click[button] to click a listed button. {REPLY}",
     "textcraft": f"Craft an item in Minecraft. Use 'get N item' for base items, 'craft N item using N item, ...' "
                  f"with the listed recipes, and 'inventory'. {REPLY}",
+    "terminal": f"Complete a task in a Linux shell, one bash command per turn; the command 'submit' ends the task. {REPLY}",
 }
 """The first words of every prompt, per environment."""
+KEEP_CASE = ("terminal",)
+"""Environments whose actions are case-sensitive (shell commands): their actions are parsed as written,
+the others' lower-cased."""
 INSTRUCTION = INTRODUCTIONS["alfworld"]
 
 _ACTION_RE = re.compile(r"^\s*action\s*:\s*(.*?)\s*$", re.IGNORECASE | re.MULTILINE)
 
 
-def parse_action(text: str) -> tuple[str | None, str]:
-    """Return (action, error). A valid output holds exactly one non-empty `Action:` line."""
+def parse_action(text: str, keep_case: bool = False) -> tuple[str | None, str]:
+    """Return (action, error). A valid output holds exactly one non-empty `Action:` line; the action is
+    lower-cased unless `keep_case`."""
     found = [m for m in _ACTION_RE.findall(text) if m]
     if not found:
         return None, "no action"
     if len(found) > 1:
         return None, "several actions"
-    return found[0].lower(), ""
+    return (found[0] if keep_case else found[0].lower()), ""
 
 
 def clean_text(text: str) -> str:
@@ -93,9 +98,9 @@ class PromptBuilder:
     """Turns (instruction, observations, actions) into token ids, with a mask over action tokens."""
 
     def __init__(self, tokenizer, context_tokens: int, one_shot: str = "", repeat_task: bool = False, max_observation_tokens: int = 0,
-                 intro: str = INSTRUCTION):
+                 intro: str = INSTRUCTION, keep_case: bool = False):
         self.tok = tokenizer
-        self.intro = intro
+        self.intro, self.keep_case = intro, keep_case
         self.max_observation_tokens = max_observation_tokens
         self.truncated: set[int] = set()
         """Hashes of the observations cut to `max_observation_tokens` (their count goes to metrics)."""
@@ -231,7 +236,7 @@ def make_builder(params: Params, tokenizer, policy_dir: Path) -> PromptBuilder:
     except (OSError, ValueError) as err:
         raise artifact(Path(policy_dir) / PROMPT_FILE, f"cannot read the prompt the policy was trained with ({err})") from None
     return PromptBuilder(tokenizer, params.model.context_tokens, saved["one_shot"], saved["repeat_task"], params.prompt.max_observation_tokens,
-                         saved.get("intro", INSTRUCTION))
+                         saved.get("intro", INSTRUCTION), saved.get("keep_case", False))
 
 
 def build_examples(builder: PromptBuilder, trajs: list[Trajectory]) -> list[tuple[list[int], list[int]]]:

@@ -13,7 +13,7 @@ from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import Trajectory, read_store
 from qevolve.envs import check_tasks, make_env
 from qevolve.models.policy import load_policy
-from qevolve.models.prompt import INTRODUCTIONS, PROMPT_FILE, PromptBuilder, build_examples
+from qevolve.models.prompt import INTRODUCTIONS, KEEP_CASE, PROMPT_FILE, PromptBuilder, build_examples
 from qevolve.models.device import model_device, placement
 from qevolve.training import (
     checkpoint_path, full_state, input_digest, is_main, is_sharded, last_epoch_mean, loading_config, local_share, packed_rows, pad_ids, shard, train,
@@ -62,7 +62,7 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
     model = shard(model, params.train, params.model.device)
     one_shot = one_shot_text(trajs) if params.prompt.one_shot else ""
     builder = PromptBuilder(tok, params.model.context_tokens, one_shot, params.prompt.repeat_task, params.prompt.max_observation_tokens,
-                            INTRODUCTIONS[params.env.name])
+                            INTRODUCTIONS[params.env.name], params.env.name in KEEP_CASE)
     examples = build_examples(builder, trajs)
     pack_tokens = params.model.context_tokens if cfg.pack else 0
     start = time.perf_counter()
@@ -75,7 +75,8 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
         return {}
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, state_dict=state)
-        (tmp / PROMPT_FILE).write_text(json.dumps({"one_shot": one_shot, "repeat_task": params.prompt.repeat_task, "intro": builder.intro}) + "\n")
+        (tmp / PROMPT_FILE).write_text(json.dumps({"one_shot": one_shot, "repeat_task": params.prompt.repeat_task, "intro": builder.intro,
+                                                         "keep_case": builder.keep_case}) + "\n")
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),
         "first_loss": curve[0]["loss"],

@@ -1,0 +1,85 @@
+"""TerminalTraj's own section of params.yaml, `terminaltraj` (arXiv 2602.01244; ../shared/research/terminaltraj.md)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from qevolve.config import Section
+
+INSTANCES = "data/instances"
+"""Where `generate` writes the task folders, and so what `env.data_dir` is under this method."""
+LABELS = "labels.json"
+"""The file in `verify`'s folder: per rollout, the validators' and the judge's verdicts."""
+
+
+class GenerateConfig(Section):
+    """`generate`: `per_family` tasks of each family (seeds 0..per_family-1, shifted by `seed`); the
+    `held_out` families go to `test_ood` whole, the others' tasks to `test` with probability `test_share`
+    (by a hash of the task id) and to `train` otherwise."""
+
+    families: list[str] = Field(default_factory=lambda: ["files", "text", "csv", "json", "archive", "python", "sqlite", "service"], min_length=1)
+    held_out: list[str] = Field(default_factory=lambda: ["sqlite", "service"])
+    per_family: int = Field(25, gt=0)
+    test_share: float = Field(0.2, ge=0, lt=1)
+    seed: int = 0
+
+    @field_validator("families", "held_out")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        from qevolve.envs.terminal_tasks import FAMILIES
+
+        bad = [f for f in v if f not in FAMILIES]
+        if bad:
+            raise ValueError(f"unknown task family(ies) {bad}; expected some of {list(FAMILIES)}")
+        return v
+
+
+class TeacherConfig(Section):
+    """`teacher`: `rollouts` episodes per train task by the noisy scripted teacher (the oracle with a
+    mistake in place of a command at `p_err`, then a look and the right command at `p_fix`; it always
+    submits), the paper's "each query sampled several times"."""
+
+    rollouts: int = Field(4, gt=0)
+    p_err: float = Field(0.3, ge=0, le=1)
+    p_fix: float = Field(0.5, ge=0, le=1)
+    seed: int = 0
+
+
+class JudgeConfig(Section):
+    """`verify`'s judge beside the validators: `transcript`, an offline rule standing in for an LLM judge
+    (it accepts a submitted episode whose last command exited 0 and whose last `window` outputs show no
+    error); it is not an LLM."""
+
+    kind: Literal["transcript"] = "transcript"
+    window: int = Field(3, gt=0)
+
+
+class FilterConfig(Section):
+    """`filter`: the rollouts kept for `bc`: those the validators passed (`validator`, the paper's), those
+    the judge accepted (`judge`), or all (`none`); then at most `n` of them, drawn with `seed` (0 = all)."""
+
+    keep: Literal["validator", "judge", "none"] = "validator"
+    n: int = Field(0, ge=0)
+    seed: int = 0
+
+
+class TerminalTrajConfig(Section):
+    generate: GenerateConfig = GenerateConfig()
+    teacher: TeacherConfig = TeacherConfig()
+    judge: JudgeConfig = JudgeConfig()
+    filter: FilterConfig = FilterConfig()
+
+
+SECTIONS = {"terminaltraj": TerminalTrajConfig}
+
+
+def check(params) -> None:
+    if params.method != "terminaltraj":
+        return
+    if params.env.name != "terminal":
+        raise ValueError(f"env.name: TerminalTraj trains terminal agents; use env.name: terminal, got {params.env.name!r}")
+    if params.env.data_dir != INSTANCES:
+        raise ValueError(f"env.data_dir: under TerminalTraj the tasks are the ones `generate` writes; set env.data_dir: {INSTANCES}, "
+                         f"got {params.env.data_dir!r}")
