@@ -309,3 +309,10 @@ def test_terminaltraj_runs_end_to_end_and_keeps_only_verified_rollouts(tmp_path,
     judged = parse_params({**raw, "terminaltraj": {**raw["terminaltraj"], "filter": {"keep": "judge"}}})
     f = run_stage("filter", judged, None)
     assert f["kept"] == v["true_positives"] + v["false_positives"]
+
+
+def test_shell_actions_keep_their_case():
+    from qevolve.models.prompt import parse_action
+
+    assert parse_action("Action: grep -c 'ERROR' app.log", keep_case=True) == ("grep -c 'ERROR' app.log", "")
+    assert parse_action("Action: Open Drawer 1") == ("open drawer 1", ""), "the text games' actions are lower-cased as before"

@@ -45,8 +45,7 @@ def teacher(params: Params, instances_dir: Path, out: Path, metrics_path: Path) 
     tasks = env.tasks("train")
     trajs, tests = [], {}
     try:
-        for task in tqdm([(t, r) for t in tasks for r in range(cfg.rollouts)], desc="teacher", unit="ep"):
-            task, r = task
+        for task, r in tqdm([(t, r) for t in tasks for r in range(cfg.rollouts)], desc="teacher", unit="ep"):
             folder = Path(instances_dir) / task.split / task.id / "solution"
             mistakes = json.loads((folder / "mistakes.json").read_text()) if (folder / "mistakes.json").is_file() else []
             plan = teacher_plan(oracle_steps((folder / "solve.sh").read_text()), mistakes, random.Random(f"{cfg.seed}:{task.id}:{r}"), cfg.p_err, cfg.p_fix)
