@@ -229,9 +229,11 @@ def test_the_miniature_spec_validates_and_its_table_counts_successes_by_depth():
     from flows.table import load_spec, markdown, workspace_params
 
     spec = load_spec(REPO / "benchmarks" / "multi2.yaml")
-    for name, ws in spec.workspaces.items():
-        params = workspace_params(spec, name, spec.seeds[-1], 100 if ws.match_env_steps else None)
+    every = {name: workspace_params(spec, name, spec.seeds[-1], 100 if ws.match_env_steps else None) for name, ws in spec.workspaces.items()}
+    params = every["multi2"]
     assert params["method"] == "multi2" and params["multi2"]["online"]["env_steps"] == 100 and params["multi2"]["critic"]["seed"] == 2
+    assert params["multi2"]["high_mode"] == "observed" and every["free"]["multi2"]["high_mode"] == "free"
+    assert every["free"]["bc"] == params["bc"] and every["free"]["model"] == params["model"]  # the same SFT, from the run cache
     seeds = [{"test/by_type": {"depth2": {"episodes": 4, "won": 3}, "depth3": {"episodes": 2, "won": 0}}, "test/high_tokens_per_episode": 100.0,
               "test/low_tokens_per_episode": 300.0, "test/subtasks_per_episode": 2.0, "test/invalid_rate": 0.1, "test/repeated_rate": 0.0},
              {"test/by_type": {"depth2": {"episodes": 4, "won": 1}, "depth3": {"episodes": 2, "won": 1}}, "test/high_tokens_per_episode": 120.0,
