@@ -93,7 +93,7 @@ def _evolve(root: str) -> dict:
     params = load_params("params.yaml")
     if dvcfile.write(params, Path("dvc.yaml")):
         print(f"dvc.yaml regenerated for evolve.iterations = {params.evolve.iterations}")
-    check_data(params.env)
+    check_data(params.env, generated=dvcfile.env_data_generated(params))
     scaleout = load_settings(Path(root), sorted({stage for stage, _ in pipeline(params, params.evolve.iterations)}))
     if scaleout.remote:
         use_remote(Path(root), scaleout.remote)

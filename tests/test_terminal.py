@@ -213,6 +213,14 @@ def test_params_pick_the_terminal_environment_and_check_its_data(tmp_path):
         parse_params({**raw, "env": {**raw["env"], "terminal": {"sandbox": "docker2"}}})
     with pytest.raises(ValueError, match=r"env.data_dir: the terminal environment needs"):
         check_data(parse_params({**raw, "env": {"name": "terminal", "terminal": {"sandbox": "local"}}}).env)
+    # TerminalTraj's tasks are written by its `generate` stage: the folder is not read before the pipeline runs
+    from qevolve.dvcfile import env_data_generated
+
+    traj = parse_params({**raw, "method": "terminaltraj", "env": {**raw["env"], "data_dir": "data/instances"}})
+    assert env_data_generated(traj) and not env_data_generated(params)
+    check_data(traj.env, generated=True)
+    with pytest.raises(ValueError, match=r"data/instances/train: no split 'train'"):
+        check_data(traj.env)
 
 
 @needs_bwrap

@@ -106,13 +106,22 @@ def spec(params: Params) -> dict:
     return {"stages": stages}
 
 
+def env_data_generated(params: Params) -> bool:
+    """A stage of the method's pipeline writes `env.data_dir` (TerminalTraj's `generate`)."""
+    recipe = load_recipe(params.method)
+    return _writes_env_data(params, [*recipe.setup, *recipe.iteration(params)])
+
+
+def _writes_env_data(params: Params, specs: list[Stage]) -> bool:
+    return bool(params.env.data_dir) and params.env.data_dir in {str(p) for s in specs for p in s.writes(1).values()}
+
+
 def _env_data_deps(params: Params, specs: list[Stage], stages: dict) -> None:
     """Where `env.data_dir` is an artifact of this pipeline (TerminalTraj's generated tasks), it is a dep of
     every stage that reads the `env` section, the environment's tasks being in it."""
-    data = params.env.data_dir
-    written = {str(p) for s in specs for p in s.writes(1).values()}
-    if data not in written:
+    if not _writes_env_data(params, specs):
         return
+    data = params.env.data_dir
     for s in specs:
         body = stages.get(s.name)
         if body is not None and data not in {str(p) for p in s.writes(1).values()} and any(k == "env" or k.startswith("env.") for k in s.params):

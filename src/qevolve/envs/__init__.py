@@ -45,8 +45,9 @@ def make_env(cfg: EnvConfig, expert: str | None = None, *, worker: bool = False)
     raise ValueError(f"env.name: unknown environment {cfg.name!r}")
 
 
-def check_data(cfg: EnvConfig) -> None:
-    """Fail before any compute when the environment's data is missing; ALFWorld's is prepared here."""
+def check_data(cfg: EnvConfig, generated: bool = False) -> None:
+    """Fail before any compute when the environment's data is missing; ALFWorld's is prepared here.
+    `generated`: a stage of the pipeline writes `env.data_dir` (TerminalTraj's tasks), so it is not read yet."""
     if cfg.name == "alfworld":
         from qevolve.envs.alfworld import ensure_alfworld_data
 
@@ -67,7 +68,8 @@ def check_data(cfg: EnvConfig) -> None:
             raise SandboxError(f"env.terminal.sandbox: {why}")
         if not cfg.data_dir:
             raise ValueError("env.data_dir: the terminal environment needs the folder of its <split>/<task id>/ task folders")
-        _check_types(cfg, TerminalEnv(cfg.data_dir, cfg.terminal, cfg.max_steps).tasks("train"))
+        if not generated:
+            _check_types(cfg, TerminalEnv(cfg.data_dir, cfg.terminal, cfg.max_steps).tasks("train"))
 
 
 def _check_types(cfg: EnvConfig, tasks) -> None:
