@@ -52,3 +52,50 @@ def tiny_tokenizer(tiny_base):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_base)
+
+
+class FakeChat:
+    """A local OpenAI-compatible server (`POST /v1/chat/completions`): `answer(body) -> str` makes each reply;
+    `requests` keeps the bodies it got."""
+
+    def __init__(self, answer):
+        import json
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+
+        fake = self
+        self.answer, self.requests = answer, []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's naming
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.requests.append(body)
+                data = json.dumps({"choices": [{"message": {"content": fake.answer(body)}}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/v1"
+
+
+@pytest.fixture
+def fake_chat():
+    """`fake_chat(answer)`: a started `FakeChat`, stopped after the test."""
+    import threading
+
+    servers = []
+
+    def start(answer):
+        servers.append(FakeChat(answer))
+        threading.Thread(target=servers[-1].server.serve_forever, daemon=True).start()
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.server.shutdown()
+        s.server.server_close()

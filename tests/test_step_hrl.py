@@ -2,8 +2,6 @@
 transition store, the losses, and the recipe end to end on TextCraft."""
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pyarrow.parquet as pq
 import pytest
@@ -107,42 +105,20 @@ def test_low_outputs_parse_into_action_and_flag():
     assert parse_low("open drawer 1") == (None, False) and parse_low("; True") == (None, False) and parse_low("") == (None, False)
 
 
-class _FakeChat(BaseHTTPRequestHandler):
-    answer = ""
-
-    def do_POST(self):  # noqa: N802 - http.server's naming
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        assert body["messages"][0]["content"].startswith("Split this expert trajectory")
-        data = json.dumps({"choices": [{"message": {"content": type(self).answer}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def fake_llm():
-    server = HTTPServer(("127.0.0.1", 0), _FakeChat)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_port}/v1"
-    server.shutdown()
-
-
-def test_llm_annotator_reads_an_openai_compatible_answer_and_refuses_a_bad_one(fake_llm):
+def test_llm_annotator_reads_an_openai_compatible_answer_and_refuses_a_bad_one(fake_chat):
     t = _traj(["go to desk 1", "take pen 1 from desk 1", "move pen 1 to shelf 1"])
-    _FakeChat.answer = json.dumps([{"subtask": "get the pen", "steps": 2, "progress": ["at desk", "holding pen"]},
+    answer = {}
+    server = fake_chat(lambda body: answer["text"])
+    fake_llm = server.url
+    answer["text"] = json.dumps([{"subtask": "get the pen", "steps": 2, "progress": ["at desk", "holding pen"]},
                                    {"subtask": "place it", "steps": 1, "progress": ["placed"]}])
     assert llm_labels(fake_llm, "m", t) == [Label(0, "get the pen", "at desk", False), Label(0, "get the pen", "holding pen", True),
                                             Label(1, "place it", "placed", True)]
-    _FakeChat.answer = json.dumps([{"subtask": "get the pen", "steps": 2, "progress": ["a", "b"]}])
+    assert server.requests[0]["messages"][0]["content"].startswith("Split this expert trajectory")
+    answer["text"] = "```json\n" + json.dumps([{"subtask": "get the pen", "steps": 2, "progress": ["a", "b"]}]) + "\n```"
     with pytest.raises(AnnotatorError, match="covers 2 steps, the trajectory has 3"):
         llm_labels(fake_llm, "m", t)
-    _FakeChat.answer = "I would split it like this: ..."
+    answer["text"] = "I would split it like this: ..."
     with pytest.raises(AnnotatorError, match="not the JSON asked for"):
         llm_labels(fake_llm, "m", t)
     with pytest.raises(AnnotatorError, match=r"step_hrl.llm_url = 'http://127.0.0.1:9/v1': no usable answer"):

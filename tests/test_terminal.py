@@ -324,3 +324,53 @@ def test_shell_actions_keep_their_case():
 
     assert parse_action("Action: grep -c 'ERROR' app.log", keep_case=True) == ("grep -c 'ERROR' app.log", "")
     assert parse_action("Action: Open Drawer 1") == ("open drawer 1", ""), "the text games' actions are lower-cased as before"
+
+
+def test_an_llm_teacher_and_an_llm_judge_behind_a_url(tmp_path, fake_chat):
+    import json
+
+    from qevolve.config import ConfigError, parse_params
+    from qevolve.data.store import read_store
+    from qevolve.llm import LLMError
+    from qevolve.methods.terminaltraj.teacher import command_of, teacher
+    from qevolve.methods.terminaltraj.verify import verify
+
+    episodes = []
+
+    def answer(body):
+        first = body["messages"][0]["content"]
+        if first.startswith("You are judging"):  # the judge: believes every ending that mentions count.txt
+            return json.dumps({"verdict": "pass" if "count.txt" in first else "fail", "reason": "count.txt was written"})
+        turns = sum(m["role"] == "assistant" for m in body["messages"])
+        if turns == 0:
+            episodes.append(body)
+            right = len(episodes) % 2 == 1  # every second episode writes a wrong count
+            return "Count the lines.\n```bash\n" + ("wc -l < data.txt > count.txt" if right else "echo 4 > count.txt") + "\n```"
+        return "submit"
+
+    server = fake_chat(answer)
+    _task(tmp_path / "tasks")
+    raw = {"method": "terminaltraj", "env": {"name": "terminal", "data_dir": "data/instances", "max_steps": 4,
+                                             "terminal": {"sandbox": "local", "command_timeout": 5}},
+           "terminaltraj": {"teacher": {"kind": "llm", "url": server.url, "model": "coder", "rollouts": 2},
+                            "judge": {"kind": "llm", "url": server.url, "model": "judge"}},
+           "experts": {"demos": {"oracle": 1}}, "evaluate": {"splits": {"train": 1}}, "policy": {"action_mode": "free"}}
+    params = parse_params(raw)
+    t = teacher(params, tmp_path / "tasks", tmp_path / "rollouts", tmp_path / "teacher.json")
+    assert t["rollouts"] == 2 and t["verified"] == 1
+    trajs = read_store(tmp_path / "rollouts")
+    assert [s.action for s in trajs[0].steps] == ["wc -l < data.txt > count.txt", SUBMIT] and trajs[0].won and not trajs[1].won
+    second = next(b for b in server.requests if sum(m["role"] == "assistant" for m in b["messages"]) == 1)
+    assert second["model"] == "coder" and second["temperature"] == 0.7 and "Write the number of lines" in second["messages"][1]["content"]
+    assert second["messages"][-1]["content"].endswith("[exit status 0]"), "the teacher reads each command's output"
+    v = verify(params, tmp_path / "rollouts", tmp_path / "verify", tmp_path / "verify.json")
+    assert (v["true_positives"], v["false_positives"], v["judge"]) == (1, 1, "llm"), "the judge believes the confident wrong ending"
+    assert json.loads((tmp_path / "verify" / "labels.json").read_text())[trajs[1].trajectory_id]["judge_reason"] == "count.txt was written"
+    assert command_of("```sh\nls -la\n```\nthen more") == "ls -la" and command_of("  Submit \n") == SUBMIT and command_of("cat f") == "cat f"
+
+    server.answer = lambda body: "It looks complete to me."
+    with pytest.raises(LLMError, match=r"terminaltraj.judge.url = 'http://127.0.0.1:\d+/v1': the verdict on rollout \w+ is not the JSON asked for"):
+        verify(params, tmp_path / "rollouts", tmp_path / "verify2", tmp_path / "verify2.json")
+    assert not (tmp_path / "verify2").exists(), "nothing half-written"
+    with pytest.raises(ConfigError, match=r"terminaltraj.teacher.url: teacher `llm` needs the http\(s\) URL"):
+        parse_params({**raw, "terminaltraj": {"teacher": {"kind": "llm", "url": "localhost:8000"}}})

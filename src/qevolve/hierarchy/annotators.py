@@ -19,15 +19,13 @@ Progress follows the paper's modes: `<status> || [Checked: a, b]` (search), `[Ro
 
 from __future__ import annotations
 
-import json
 import re
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Callable
 
 from qevolve.data.store import Trajectory
 from qevolve.errors import UserError
+from qevolve.llm import chat, json_content
 
 NONE = "None"
 """The progress before a subtask's first step (the paper's p_0)."""
@@ -241,18 +239,10 @@ def llm_labels(url: str, model: str, traj: Trajectory, timeout: float = 60.0, ke
     answer must cover every step exactly once; anything else is an `AnnotatorError` naming the trajectory
     and the params key `key` that set the URL."""
     steps = "\n".join(f"{i + 1}. {s.action}\n   -> {s.next_observation[:300]}" for i, s in enumerate(traj.steps))
-    body = {"model": model, "temperature": 0, "messages": [
-        {"role": "user", "content": SEGMENT_PROMPT.format(n=len(traj.steps), instruction=traj.instruction, steps=steps)}]}
-    request = urllib.request.Request(url.rstrip("/") + "/chat/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+    prompt = SEGMENT_PROMPT.format(n=len(traj.steps), instruction=traj.instruction, steps=steps)
+    content = chat(url, model, [{"role": "user", "content": prompt}], key=key, timeout=timeout, error=AnnotatorError)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as reply:
-            content = json.loads(reply.read())["choices"][0]["message"]["content"]
-    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError) as err:
-        raise AnnotatorError(f"{key} = {url!r}: no usable answer from {url.rstrip('/')}/chat/completions "
-                             f"({type(err).__name__}: {err})") from None
-    try:
-        parts = json.loads(content.strip().removeprefix("```json").removesuffix("```"))
+        parts = json_content(content)
         labels = []
         for index, part in enumerate(parts):
             n, progress = int(part["steps"]), [str(p) for p in part["progress"]]

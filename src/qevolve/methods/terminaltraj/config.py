@@ -37,23 +37,34 @@ class GenerateConfig(Section):
 
 
 class TeacherConfig(Section):
-    """`teacher`: `rollouts` episodes per train task by the noisy scripted teacher (the oracle with a
-    mistake in place of a command at `p_err`, then a look and the right command at `p_fix`; it always
-    submits), the paper's "each query sampled several times"."""
+    """`teacher`: `rollouts` episodes per train task (the paper's "each query sampled several times") by the
+    noisy scripted teacher (`scripted`: the oracle with a mistake in place of a command at `p_err`, then a
+    look and the right command at `p_fix`; it always submits) or by a chat model at `url` (`llm`: one
+    command per turn, sampled at `temperature`, until it submits or `env.max_steps`)."""
 
+    kind: Literal["scripted", "llm"] = "scripted"
     rollouts: int = Field(4, gt=0)
     p_err: float = Field(0.3, ge=0, le=1)
     p_fix: float = Field(0.5, ge=0, le=1)
     seed: int = 0
+    url: str = ""
+    """`llm`: the base URL of an OpenAI-compatible server (…/v1)."""
+    model: str = ""
+    """`llm`: the model name sent to `url`."""
+    temperature: float = Field(0.7, ge=0)
 
 
 class JudgeConfig(Section):
-    """`verify`'s judge beside the validators: `transcript`, an offline rule standing in for an LLM judge
-    (it accepts a submitted episode whose last command exited 0 and whose last `window` outputs show no
-    error); it is not an LLM."""
+    """`verify`'s judge beside the validators, reading the instruction and the transcript only, as the
+    paper's: `transcript`, an offline rule standing in for an LLM judge (it accepts a submitted episode
+    whose last command exited 0 and whose last `window` outputs show no error; it is not an LLM), or
+    `llm`, a chat model at `url` asked for a pass/fail verdict."""
 
-    kind: Literal["transcript"] = "transcript"
+    kind: Literal["transcript", "llm"] = "transcript"
     window: int = Field(3, gt=0)
+    url: str = ""
+    """`llm`: the base URL of an OpenAI-compatible server (…/v1)."""
+    model: str = ""
 
 
 class FilterConfig(Section):
@@ -83,3 +94,7 @@ def check(params) -> None:
     if params.env.data_dir != INSTANCES:
         raise ValueError(f"env.data_dir: under TerminalTraj the tasks are the ones `generate` writes; set env.data_dir: {INSTANCES}, "
                          f"got {params.env.data_dir!r}")
+    for name in ("teacher", "judge"):
+        cfg = getattr(params.terminaltraj, name)
+        if cfg.kind == "llm" and not cfg.url.startswith(("http://", "https://")):
+            raise ValueError(f"terminaltraj.{name}.url: {name} `llm` needs the http(s) URL of an OpenAI-compatible server (…/v1), got {cfg.url!r}")
