@@ -2,6 +2,7 @@
 oracle's steps and the validators' verdict."""
 
 import os
+import re
 import shutil
 import subprocess
 import textwrap
@@ -282,6 +283,8 @@ def test_the_transcript_judge_believes_a_confident_ending_and_nothing_else():
 
 @needs_bwrap
 def test_terminaltraj_runs_end_to_end_and_keeps_only_verified_rollouts(tmp_path, monkeypatch):
+    import json
+
     from qevolve import dvcfile, paths
     from qevolve.config import ConfigError, parse_params
     from qevolve.data.store import read_store
@@ -308,6 +311,15 @@ def test_terminaltraj_runs_end_to_end_and_keeps_only_verified_rollouts(tmp_path,
     assert v["true_positives"] + v["false_negatives"] == t["verified"] and v["trajectories"] == t["rollouts"]
     kept = read_store(paths.EXPERTS)
     assert kept and all(x.won for x in kept) and len(kept) == metrics["filter"]["kept"] == t["verified"]
+    fun, fam = metrics["filter"]["funnel"], metrics["filter"]["funnel_by_family"]
+    assert [fun[r] for r in ("generated", "passed_gate", "train_tasks", "rollouts", "verified", "kept")] == [
+        12, 12, g["train_tasks"], t["rollouts"], t["verified"], t["verified"]]
+    assert fun["rollouts_rate"] == 2.0 and fun["verified_rate"] == t["verified_rate"] and fam["files"]["train_tasks"] == fam["files"]["rollouts"] == 0
+    assert sum(f["verified"] for f in fam.values()) == t["verified"] and fam["text"]["generated"] == 3
+    plot = json.loads((tmp_path / "metrics" / "filter_curve.json").read_text())
+    assert [p["row"] for p in plot] == ["1. generated", "2. passed_gate", "3. train_tasks", "4. rollouts", "5. verified", "6. kept"]
+    assert spec["filter"]["plots"] == [{"metrics/filter_curve.json": {"x": "count", "y": "row", "template": "bar_horizontal", "cache": False}}]
+    assert "metrics/generate.json" in spec["filter"]["deps"]
     assert metrics["bc"]["loss"] < metrics["bc"]["first_loss"]
     for k in (0, 1):
         assert set(metrics[f"evaluate@{k}"]) >= {"test", "test_ood"}
@@ -374,3 +386,134 @@ def test_an_llm_teacher_and_an_llm_judge_behind_a_url(tmp_path, fake_chat):
     assert not (tmp_path / "verify2").exists(), "nothing half-written"
     with pytest.raises(ConfigError, match=r"terminaltraj.teacher.url: teacher `llm` needs the http\(s\) URL"):
         parse_params({**raw, "terminaltraj": {"teacher": {"kind": "llm", "url": "localhost:8000"}}})
+
+
+def test_harbor_and_terminal_bench_tasks_import_when_their_dockerfile_reduces_to_files(tmp_path):
+    import json
+
+    from qevolve.cli import main
+    from qevolve.envs.terminal_import import NeedsDocker, translate
+
+    src = tmp_path / "src"
+    harbor = _task(src, "harbor-count", split=".")  # Harbor layout: instruction.md, task.toml, environment/, tests/, solution/
+    (harbor / "environment" / "setup.sh").unlink()
+    (harbor / "environment" / "data").mkdir()
+    (harbor / "environment" / "data" / "words.txt").write_text("x\n")
+    (harbor / "environment" / "Dockerfile").write_text(
+        "FROM ubuntu:24.04\n# the task's files\nWORKDIR /app\nCOPY README /app/\nCOPY data ./data\n"
+        "ENV LINES=3\nRUN for i in $(seq 1 $LINES); do \\\n  echo line >> data.txt; done\nCMD [\"bash\"]\n")
+    (harbor / "tests" / "test.sh").write_text("#!/bin/bash\ncurl -LsSf https://astral.sh/uv/install.sh | sh\n")
+    apt = _task(src, "needs-apt", split=".")
+    (apt / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\nRUN apt-get update && \\\n    apt-get install -y jq\n")
+    _task(src, "free-win", split=".", solve="true\n", tests="def test_nothing():\n    assert True\n")
+    tb1 = src / "tb1-count"  # Terminal-Bench 1: task.yaml, Dockerfile, solution.sh, tests/test_outputs.py
+    (tb1 / "tests").mkdir(parents=True)
+    (tb1 / "task.yaml").write_text("instruction: |\n  Write the number of lines of data.txt to count.txt.\ndifficulty: easy\ncategory: file-operations\n"
+                                   "max_agent_timeout_sec: 180\nmax_test_timeout_sec: 20\n")
+    (tb1 / "data.txt").write_text("a\nb\nc\n")
+    (tb1 / "Dockerfile").write_text("FROM ghcr.io/laude-institute/t-bench/ubuntu-24-04:latest\nWORKDIR /app\nCOPY data.txt /app/data.txt\n")
+    (tb1 / "solution.sh").write_text("#!/bin/bash\nwc -l < data.txt > count.txt\n")
+    (tb1 / "tests" / "test_outputs.py").write_text((harbor / "tests" / "test_count.py").read_text())
+    (src / "no-tests").mkdir()
+    (src / "no-tests" / "task.yaml").write_text("instruction: hi\n")
+    (src / "notes").mkdir()  # not a task: ignored
+
+    files, setup = translate(harbor / "environment" / "Dockerfile")
+    assert [(p.name, rel) for p, rel in files] == [("README", "README"), ("data", "data")]
+    assert setup == ["export LINES=3", "( for i in $(seq 1 $LINES); do echo line >> data.txt; done )"]
+    for line, why in (("RUN curl -L https://x | sh", "`curl` installs or downloads"), ("WORKDIR /srv", "must be /app"),
+                      ("COPY --from=build /out /app/", "another build stage"), ("RUN qevolve-no-such-tool", "not on this host"),
+                      ("VOLUME /data\nHEALTHCHECK CMD true\nONBUILD RUN true", "ONBUILD needs the image")):
+        (tmp_path / "Dockerfile").write_text(f"FROM x\n{line}\n")
+        with pytest.raises(NeedsDocker, match=re.escape(why)):
+            translate(tmp_path / "Dockerfile")
+
+    dest = tmp_path / "tasks"
+    assert main(["terminal-import", str(src), str(dest), "--sandbox", "local"]) == 0
+    report = json.loads((dest / "test" / "import.json").read_text())
+    assert {k: v["status"] for k, v in report.items()} == {
+        "free-win": "rejected_noop_passes", "harbor-count": "imported", "needs-apt": "needs_docker", "no-tests": "unsupported", "tb1-count": "imported"}
+    assert report["needs-apt"]["reason"] == "Dockerfile:3 `RUN apt-get update && apt-get install -y jq`: `apt-get` installs or downloads"
+    assert sorted(p.name for p in (dest / "test").iterdir()) == ["harbor-count", "import.json", "tb1-count"]
+    assert sorted(p.name for p in (dest / "test" / "harbor-count" / "environment").rglob("*")) == ["README", "data", "setup.sh", "words.txt"]
+    assert not (dest / "test" / "harbor-count" / "tests" / "test.sh").exists()
+    env = TerminalEnv(str(dest), TerminalConfig(sandbox="local", command_timeout=5), 5)
+    tb = next(t for t in env.tasks("test") if t.id == "tb1-count")
+    assert tb.type == "file-operations" and read_task(dest / "test" / "tb1-count")["agent_timeout"] == 180
+    _, steps = _play(env, tb, ["wc -l < data.txt > count.txt", SUBMIT])
+    assert steps[-1].won
+    env.close()
+    assert main(["terminal-import", str(src), str(dest), "--sandbox", "local"]) == 2, "an existing split is not overwritten"
+    assert main(["terminal-import", str(tmp_path / "notes"), str(dest), "--split", "x"]) == 2
+
+
+@pytest.fixture
+def fake_docker(tmp_path, monkeypatch):
+    """`docker` on PATH is tests/fake_docker.py (bubblewrap standing in for containers); its calls are logged."""
+    import sys
+
+    state, bin_dir = tmp_path / "docker-state", tmp_path / "docker-state" / "bin"
+    bin_dir.mkdir(parents=True)
+    here = os.path.dirname(os.path.abspath(__file__))
+    (bin_dir / "docker").write_text(f"#!/bin/sh\nexec {sys.executable} {here}/fake_docker.py \"$@\"\n")
+    (bin_dir / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")  # the image's python3, with pytest
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))
+    monkeypatch.setenv("FAKE_DOCKER_STATE", str(state))
+    monkeypatch.setenv("FAKE_DOCKER_LOG", str(state / "log.jsonl"))
+    monkeypatch.setenv("FAKE_DOCKER_IMAGES", "qevolve-task:1")
+    return lambda: [__import__("json").loads(line) for line in (state / "log.jsonl").read_text().splitlines()]
+
+
+@needs_bwrap
+def test_the_docker_backend_against_a_fake_docker(tmp_path, fake_docker):
+    work = tmp_path / "w"
+    work.mkdir()
+    s = Session("docker", work, Limits(memory_mb=512, processes=64, file_mb=8, tmp_mb=16), image="qevolve-task:1")
+    run = next(c for c in fake_docker() if c[0] == "run")
+    flags = " ".join(run)
+    for want in ("--network none", "--read-only", "--cap-drop ALL", "--security-opt no-new-privileges", "--memory 512m", "--pids-limit 64",
+                 f"--ulimit fsize={8 << 20}", "--tmpfs /tmp:size=16m", f"-v {work}:/app", "-w /app", "qevolve-task:1 bash --noprofile --norc"):
+        assert want in flags, want
+    assert s.app == "/app" and s.python == "python3"
+    assert s.run("cd /app && export X=7 && echo hi > f").status == 0 and s.run("echo $X $(cat f)").output.strip() == "7 hi"
+    started = time.monotonic()
+    r = s.run("sleep 60", timeout=1)
+    assert r.timed_out and r.status == 137 and not r.restarted and time.monotonic() - started < 10
+    assert ["exec", run[run.index("--name") + 1], "bash", "-c", "kill -9 -1"] in fake_docker()
+    assert s.run("echo $X").output.strip() == "7", "the shell survived the kill"
+    s.close()
+    assert ["rm", "-f", run[run.index("--name") + 1]] in fake_docker()
+
+    _task(tmp_path / "tasks")
+    env = TerminalEnv(str(tmp_path / "tasks"), TerminalConfig(sandbox="docker", image="qevolve-task:1", command_timeout=5), 5)
+    _, steps = _play(env, env.tasks("train")[0], ["wc -l < data.txt > count.txt", SUBMIT])
+    assert steps[-1].won and env.info["tests_total"] == 2, "the validators ran with the image's python3"
+    env.close()
+    with pytest.raises(SandboxError, match=r"docker has no image 'missing:0' here \(Error: No such image: missing:0\)"):
+        Session("docker", work, image="missing:0")
+    with pytest.raises(SandboxError, match=r"docker needs env.terminal.image"):
+        Session("docker", work)
+
+
+def test_admissible_mode_offers_the_oracle_its_mistakes_a_look_and_submit(tmp_path):
+    from qevolve.config import parse_params
+    from qevolve.envs.terminal_tasks import make, write_task
+
+    spec = make("csv", 3)
+    write_task(spec, tmp_path / "train" / "csv-0003")
+    _task(tmp_path, "count")
+    env = TerminalEnv(str(tmp_path), TerminalConfig(sandbox="local", command_timeout=5), 5)
+    obs = env.reset(Task("csv-0003", "train", "csv"))
+    wrong = [c for group in spec.mistakes for c in group]
+    assert obs.admissible == list(dict.fromkeys([*spec.solution, *wrong, "ls -la", SUBMIT])) and wrong
+    assert env.step("ls -la").admissible == obs.admissible, "the same candidates at every step"
+    assert env.reset(Task("count", "train", "text")).admissible == ["wc -l < data.txt > count.txt", "ls -la", SUBMIT]
+    (tmp_path / "train" / "count" / "solution" / "mistakes.json").write_text('{"not": "a list"}')
+    with pytest.raises(TaskError, match=r"count/solution/mistakes.json: expected a JSON list of lists"):
+        env.reset(Task("count", "train", "text"))
+    env.close()
+    assert parse_params({"env": {"name": "terminal", "data_dir": str(tmp_path)}, "experts": {"demos": {"oracle": 1}},
+                         "evaluate": {"splits": {"test": 0}}, "policy": {"action_mode": "admissible"}}).policy.action_mode == "admissible"

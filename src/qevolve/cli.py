@@ -1,5 +1,5 @@
 """Command line: `qevolve run STAGE` (what dvc.yaml calls), `qevolve dvc-yaml`, `qevolve summary`, `qevolve data`,
-`qevolve webshop-data`."""
+`qevolve webshop-data`, `qevolve terminal-import`."""
 
 from __future__ import annotations
 
@@ -65,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     shop.add_argument("folder", type=Path)
     shop.add_argument("--products", type=int, default=200)
     shop.add_argument("--seed", type=int, default=0)
+    imp = sub.add_parser("terminal-import", help="import a folder of Harbor / Terminal-Bench tasks as terminal tasks (DEST/<split>/)")
+    imp.add_argument("src", type=Path, help="a folder of task folders")
+    imp.add_argument("dest", type=Path, help="the terminal tasks' folder (env.data_dir); the split must be new")
+    imp.add_argument("--split", default="test")
+    imp.add_argument("--sandbox", default="bwrap", choices=["bwrap", "local"], help="the sandbox the sanity gate runs in (bwrap, or local: no isolation)")
+    imp.add_argument("--no-gate", action="store_true", help="skip the sanity gate (the oracle passes, a do-nothing agent fails, twice)")
     parser.add_argument("--debug", action="store_true", help="show the traceback of a known error (also QEVOLVE_DEBUG=1)")
     args = parser.parse_args(argv)
     try:
@@ -81,6 +87,14 @@ def _command(args) -> int:
 
         counts = write_synthetic(args.folder, args.products, args.seed)
         print(f"{args.folder}: {counts['products']} products, {counts['goals']} goals ({counts['train']} train, {counts['test']} test)")
+        return 0
+
+    if args.command == "terminal-import":
+        from qevolve.config import TerminalConfig
+        from qevolve.envs.terminal_import import REPORT, import_tasks
+
+        counts = import_tasks(args.src, args.dest, args.split, TerminalConfig(sandbox=args.sandbox), gate=not args.no_gate)
+        print(f"{args.dest / args.split}: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) + f" (each task's reason in {REPORT})")
         return 0
 
     if args.command == "data":

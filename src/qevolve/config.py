@@ -73,7 +73,7 @@ ENVIRONMENTS = {
     "scienceworld": (("gold",), True, ("train", "valid_seen", "valid_unseen")),
     "webshop": (("gold",), True, ("train", "test")),
     "textcraft": (("planner",), True, ("train", "test")),
-    "terminal": (("oracle",), False, ("train", "test", "test_ood")),
+    "terminal": (("oracle",), True, ("train", "test", "test_ood")),
 }
 TEXTCRAFT_TYPES = ("depth2", "depth3", "depth4")
 """TextCraft's task types: the goals' crafting depth (`qevolve.envs.textcraft`). ScienceWorld's (task
@@ -83,8 +83,11 @@ names) and WebShop's (product categories) come from their data and are checked w
 class TerminalConfig(Section):
     """`env.terminal`: the terminal environment's sandbox and limits (`qevolve.envs.terminal`, `qevolve.envs.sandbox`)."""
 
-    sandbox: Literal["bwrap", "local"] = "bwrap"
-    """`bwrap` (bubblewrap: no network, read-only system, own user and PID namespace), or `local`: no isolation at all."""
+    sandbox: Literal["bwrap", "docker", "local"] = "bwrap"
+    """`bwrap` (bubblewrap: no network, read-only system, own user and PID namespace), `docker` (a container of
+    `image`), or `local`: no isolation at all."""
+    image: str = ""
+    """`docker`: the image each episode's container runs; it must hold bash, python3 and pytest (it is not pulled)."""
     command_timeout: float = Field(30.0, gt=0)
     """Seconds a command may run before its processes are killed (the shell survives)."""
     episode_timeout: float = Field(360.0, gt=0)

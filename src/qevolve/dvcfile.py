@@ -88,7 +88,8 @@ def _entry(stage: Stage, params: Params, iterations: list[int]) -> dict:
         "metrics": [{str(paths.metrics(name)): {"cache": False}}],
     }
     if stage.curve:
-        body["plots"] = [{str(paths.curve(name)): {"x": stage.curve[0], "y": stage.curve[1], "cache": False}}]
+        x, y, *template = stage.curve
+        body["plots"] = [{str(paths.curve(name)): {"x": x, "y": y, **({"template": template[0]} if template else {}), "cache": False}}]
     if stage.once:
         return body
     items = {str(k): {a: str(p) for a, p in {**stage.reads(k), **stage.writes(k)}.items()} for k in iterations}

@@ -51,8 +51,9 @@ class Stage:
     """The params.yaml keys (or whole sections) it reads."""
     once: bool = False
     """Runs once before the iterations (`experts`, `base`, `bc`) rather than in each."""
-    curve: tuple[str, str] | None = None
-    """Axes of its per-step curve (`metrics/<stage>_curve.json`, a DVC plot), passed as `curve_path`."""
+    curve: tuple[str, ...] | None = None
+    """Axes x, y of its per-step curve (`metrics/<stage>_curve.json`, a DVC plot), passed as `curve_path`; a
+    third item names DVC's plot template (`bar_horizontal`) where the default line plot does not fit."""
     details: bool = False
     """Writes per-item details (`metrics/<stage>_details.json`), passed as `details_path`."""
     takes_iteration: bool = False

@@ -64,7 +64,7 @@ def check_data(cfg: EnvConfig, generated: bool = False) -> None:
         from qevolve.envs.sandbox import SandboxError, available
         from qevolve.envs.terminal import TerminalEnv
 
-        if why := available(cfg.terminal.sandbox):
+        if why := available(cfg.terminal.sandbox, cfg.terminal.image):
             raise SandboxError(f"env.terminal.sandbox: {why}")
         if not cfg.data_dir:
             raise ValueError("env.data_dir: the terminal environment needs the folder of its <split>/<task id>/ task folders")

@@ -7,6 +7,11 @@ Backends (`env.terminal.sandbox`):
   outlives the episode), memory (`ulimit -v`) and file-size (`ulimit -f`) limits, and a process limit
   through a pids cgroup where this host lets us make one (root with cgroup v1 `pids` or v2), else
   `ulimit -u`. The Python that runs qevolve (its venv and base prefix) is bound read-only, for validators.
+- `docker`: a container of `env.terminal.image` (which must hold bash, python3 and pytest: images are not
+  pulled) with the episode folder at /app, no network, a read-only root, a tmpfs /tmp, every capability
+  dropped, memory, process and file-size limits, run as this host's user; a timed-out command's
+  processes are killed from inside (`docker exec … kill -9 -1`: everything but the shell, PID 1), and
+  closing removes the container.
 - `local`: bash in the episode folder with no isolation at all, for tests and trusted tasks; refused unless
   asked for by name.
 
@@ -36,14 +41,15 @@ from pathlib import Path
 
 from qevolve.errors import UserError
 
-BACKENDS = ("bwrap", "local")
+BACKENDS = ("bwrap", "docker", "local")
 ANSI = re.compile(rb"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 GRACE_S = 2.0
 """How long a killed command's shell gets to print its sentinel before the sandbox is restarted."""
 
 
 class SandboxError(UserError, RuntimeError):
-    hint = "env.terminal.sandbox picks the backend (bwrap, or local for no isolation); `apt-get install bubblewrap` installs bwrap"
+    hint = ("env.terminal.sandbox picks the backend (bwrap; docker with env.terminal.image; or local for no isolation); "
+            "`apt-get install bubblewrap` installs bwrap")
 
 
 @dataclass(frozen=True)
@@ -78,12 +84,23 @@ def clip(raw: bytes, budget: int, omitted: int = 0, tail: bytes = b"") -> str:
     return ANSI.sub(b"", raw).decode("utf-8", errors="replace")
 
 
-def available(backend: str) -> str | None:
+def available(backend: str, image: str = "") -> str | None:
     """None when `backend` can run here, else why not (and how to fix it)."""
     if backend not in BACKENDS:
         return f"unknown sandbox {backend!r}; expected one of {list(BACKENDS)}"
     if backend == "bwrap" and shutil.which("bwrap") is None:
         return "bubblewrap (`bwrap`) is not installed: `apt-get install bubblewrap` (Debian/Ubuntu), or env.terminal.sandbox: local without isolation"
+    if backend == "docker":
+        if not image:
+            return "docker needs env.terminal.image, an image with bash, python3 and pytest"
+        if shutil.which("docker") is None:
+            return "the `docker` command is not installed"
+        try:
+            done = subprocess.run(["docker", "image", "inspect", image], capture_output=True, text=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            return "`docker image inspect` did not answer in 30 s: is the daemon running?"
+        if done.returncode != 0:
+            return f"docker has no image {image!r} here ({done.stderr.strip()[:200]}); build it or `docker pull` it first (images are not pulled)"
     return None
 
 
@@ -121,11 +138,12 @@ class _Capture:
 class Session:
     """A persistent bash in a sandbox over `workdir` (mounted at /app under bwrap)."""
 
-    def __init__(self, backend: str, workdir: Path, limits: Limits = Limits(), output_bytes: int = 10_000):
-        why = available(backend)
+    def __init__(self, backend: str, workdir: Path, limits: Limits = Limits(), output_bytes: int = 10_000, image: str = ""):
+        why = available(backend, image)
         if why:
             raise SandboxError(f"env.terminal.sandbox: {why}")
-        self.backend, self.workdir, self.limits, self.output_bytes = backend, Path(workdir).resolve(), limits, output_bytes
+        self.backend, self.workdir, self.limits, self.output_bytes, self.image = backend, Path(workdir).resolve(), limits, output_bytes, image
+        self.container = f"qevolve-{os.getpid()}-{secrets.token_hex(6)}" if backend == "docker" else None
         self.cgroup = _pids_cgroup(limits.processes) if backend == "bwrap" else None
         self.proc: subprocess.Popen | None = None
         self._start()
@@ -133,12 +151,23 @@ class Session:
     @property
     def app(self) -> str:
         """The working directory as the shell sees it."""
-        return "/app" if self.backend == "bwrap" else str(self.workdir)
+        return str(self.workdir) if self.backend == "local" else "/app"
+
+    @property
+    def python(self) -> str:
+        """The Python the validators run with inside: the image's, or the one running qevolve."""
+        return "python3" if self.backend == "docker" else sys.executable
 
     def _argv(self) -> list[str]:
         shell = ["bash", "--noprofile", "--norc"]
         if self.backend == "local":
             return shell
+        if self.backend == "docker":
+            lim = self.limits
+            return ["docker", "run", "--rm", "-i", "--name", self.container, "--network", "none", "--read-only", "--cap-drop", "ALL",
+                    "--security-opt", "no-new-privileges", "--user", f"{os.getuid()}:{os.getgid()}", "--memory", f"{lim.memory_mb}m",
+                    "--pids-limit", str(lim.processes), "--ulimit", f"fsize={lim.file_mb << 20}", "--tmpfs", f"/tmp:size={lim.tmp_mb}m",
+                    "-v", f"{self.workdir}:/app", "-w", "/app", "-e", "HOME=/app", "-e", "LANG=C.UTF-8", self.image, *shell]
         binds = []
         for prefix in dict.fromkeys([sys.prefix, sys.base_prefix]):  # the Python validators run with
             binds += ["--ro-bind", prefix, prefix]
@@ -152,6 +181,8 @@ class Session:
         cgroup = self.cgroup
         preexec = (lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid()))) if cgroup else None
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.workdir), "LANG": "C.UTF-8"}
+        if self.backend == "docker":  # the client's settings (DOCKER_HOST, ...); the container gets none of them
+            env = dict(os.environ)
         self.proc = subprocess.Popen(self._argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=self.workdir,
                                      env=env, start_new_session=True, preexec_fn=preexec)
         self.marker = f"\x1e{secrets.token_hex(8)}:".encode()
@@ -159,9 +190,11 @@ class Session:
         threading.Thread(target=self._read, args=(self.proc, self.chunks), daemon=True).start()
         self.shell_pid: int | None = None
         limits = [f"ulimit -v {self.limits.memory_mb << 10}", f"ulimit -f {self.limits.file_mb << 10}"]  # bash counts KiB
+        if self.backend == "docker":
+            limits = []  # the container's own limits
         if self.backend == "bwrap" and cgroup is None:
             limits.append(f"ulimit -u {self.limits.processes}")
-        setup = self._exchange("exec 2>&1; " + "; ".join(limits) + "; echo $$", 30.0, restart=False)
+        setup = self._exchange("; ".join(["exec 2>&1", *limits, "echo $$"]), 30.0, restart=False)
         if setup.status != 0 or not setup.output.strip().isdigit():
             self._stop()
             raise SandboxError(f"env.terminal.sandbox: {self.backend} did not start a shell: {setup.output.strip()[:300]!r}")
@@ -177,8 +210,9 @@ class Session:
         chunks.put(b"")  # end of output: the shell exited
 
     def _find_shell(self) -> int:
-        """The sandbox's bash as this host numbers it: the Popen process itself, or under bwrap its first bash descendant."""
-        if self.backend == "local":
+        """The sandbox's bash as this host numbers it: the Popen process itself, or under bwrap its first bash
+        descendant (a container's processes are not this host's children: it is not looked for)."""
+        if self.backend in ("local", "docker"):
             return self.proc.pid
         for _ in range(100):
             for pid in _descendants(self.proc.pid):
@@ -238,6 +272,9 @@ class Session:
         return Result(text, code if code >= 0 else 128 - code, restarted=restart)
 
     def _kill_children(self) -> None:
+        if self.backend == "docker":  # from inside: kill(-1) spares PID 1, the shell, and the caller
+            subprocess.run(["docker", "exec", self.container, "bash", "-c", "kill -9 -1"], capture_output=True, timeout=30)
+            return
         for pid in _descendants(self.shell_pid) if self.shell_pid else []:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -257,6 +294,8 @@ class Session:
             self.cgroup = None
 
     def _stop(self) -> None:
+        if self.container and self.proc is not None:  # killing the client leaves the container running
+            subprocess.run(["docker", "rm", "-f", self.container], capture_output=True, timeout=60)
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -272,7 +311,10 @@ class Session:
 
     def __del__(self):
         if hasattr(self, "proc"):
-            self.close()
+            try:
+                self.close()
+            except Exception:  # at interpreter exit, subprocess may be gone: the PID namespace / --rm still end it
+                pass
 
 
 def _children(pid: int) -> list[int]:

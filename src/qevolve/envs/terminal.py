@@ -11,7 +11,8 @@ A task is a folder in the Harbor / Terminal-Bench 2 layout, under `env.data_dir/
   each parse alone is one step).
 
 An episode is a persistent shell in a sandbox (`qevolve.envs.sandbox`, `env.terminal.sandbox`); an action is
-one command, or `submit`. The observation is the command's output and its exit status. A step is invalid
+one command, or `submit`. The observation is the command's output and its exit status. The valid actions
+it lists, for `policy.action_mode: admissible`, are the task's own candidate commands (`candidates`). A step is invalid
 (relabel's "rejected") when the command is empty or does not parse, is not found (status 127) or timed out.
 When the agent submits, reaches `env.max_steps` or the wall clock, `tests/` is copied in and run with
 pytest in the same sandbox: won = every test passed; the reward is 1/0, or the share passed
@@ -20,9 +21,9 @@ pytest in the same sandbox: won = every test passed; the reward is 1/0, or the s
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import tomllib
@@ -73,6 +74,21 @@ def oracle_steps(script: str) -> list[str]:
     return [script]
 
 
+def candidates(folder: Path, oracle: list[str]) -> list[str]:
+    """The commands `policy.action_mode: admissible` chooses among, the same at every step (the spec's
+    miniature): the oracle's steps, the task's plausible mistakes (`solution/mistakes.json`, where the
+    task has them), a look (`ls -la`) and `submit`."""
+    path = folder / "solution" / "mistakes.json"
+    try:
+        mistakes = json.loads(path.read_text()) if path.is_file() else []
+    except ValueError as err:
+        mistakes = err
+    if not isinstance(mistakes, list) or not all(isinstance(g, list) and all(isinstance(c, str) for c in g) for g in mistakes):
+        raise TaskError(f"{path}: expected a JSON list of lists of commands (one list per oracle step), got {str(mistakes)[:100]!r}")
+    wrong = [c for group in mistakes for c in group]
+    return list(dict.fromkeys([*oracle, *wrong, "ls -la", SUBMIT]))
+
+
 def _parses(command: str) -> bool:
     """bash reads `command` alone without an error or a warning (an unterminated heredoc only warns)."""
     done = subprocess.run(["bash", "-n", "-c", command], capture_output=True)
@@ -110,17 +126,20 @@ class TerminalEnv:
         if env_dir.is_dir():
             shutil.copytree(env_dir, self.episode_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("setup.sh"))
         cfg = self.cfg
-        self.session = Session(cfg.sandbox, self.episode_dir, Limits(cfg.memory_mb, cfg.processes, cfg.file_mb, cfg.tmp_mb), cfg.output_bytes)
+        self.session = Session(cfg.sandbox, self.episode_dir, Limits(cfg.memory_mb, cfg.processes, cfg.file_mb, cfg.tmp_mb), cfg.output_bytes,
+                               cfg.image)
         setup = env_dir / "setup.sh"
         if setup.is_file():
             done = self.session.run(f"(\n{setup.read_text()}\n)", cfg.command_timeout * 4)
             if done.status != 0:
                 raise TaskError(f"{setup}: exited with status {done.status}: {done.output[-300:]!r}")
         self.steps, self.started = 0, time.monotonic()
-        self.plan = oracle_steps((self.folder / "solution" / "solve.sh").read_text()) + [SUBMIT] if self.expert else []
+        oracle = oracle_steps((self.folder / "solution" / "solve.sh").read_text())
+        self.plan = oracle + [SUBMIT] if self.expert else []
+        self.candidates = candidates(self.folder, oracle)
         listing = self.session.run("ls -la", cfg.command_timeout).output
         instruction = (self.folder / "instruction.md").read_text().strip()
-        return Observation(instruction, f"{self.session.app}$ ls -la\n{listing}".rstrip())
+        return Observation(instruction, f"{self.session.app}$ ls -la\n{listing}".rstrip(), list(self.candidates))
 
     def step(self, action: str) -> Step:
         if self.session is None:
@@ -143,7 +162,7 @@ class TerminalEnv:
             return self._validate("max_steps", text, valid)
         if time.monotonic() - self.started > min(self.cfg.episode_timeout, self.meta["agent_timeout"]):
             return self._validate("timeout", text, valid)
-        return Step(text, 0.0, False, False, valid)
+        return Step(text, 0.0, False, False, valid, list(self.candidates))
 
     def _validate(self, why: str, text: str = "", valid: bool = True) -> Step:
         """Copy the validators in, run them, and end the episode."""
@@ -152,7 +171,7 @@ class TerminalEnv:
         shutil.copytree(self.folder / "tests", tests)
         report = self.episode_dir / REPORT
         report.unlink(missing_ok=True)
-        run = self.session.run(f"cd {self.session.app} && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {sys.executable} -m pytest -q -p no:cacheprovider "
+        run = self.session.run(f"cd {self.session.app} && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {self.session.python} -m pytest -q -p no:cacheprovider "
                                f"--junitxml={self.session.app}/{REPORT} tests", self.meta["verifier_timeout"])
         results = test_results(report) if report.is_file() else {}
         passed = sum(v == "passed" for v in results.values())

@@ -31,8 +31,8 @@ RECIPE = Recipe(
         Stage("teacher", f"{HERE}.teacher", lambda k: {"instances_dir": Path(INSTANCES)}, lambda k: {"out": ROLLOUTS},
               ("env.max_steps", "env.terminal", "terminaltraj.teacher"), once=True),
         Stage("verify", f"{HERE}.verify", lambda k: {"rollouts_dir": ROLLOUTS}, lambda k: {"out": VERIFIED}, ("terminaltraj.judge",), once=True),
-        Stage("filter", f"{HERE}.filter", lambda k: {"rollouts_dir": ROLLOUTS, "verify_dir": VERIFIED}, lambda k: {"out": paths.EXPERTS},
-              ("terminaltraj.filter",), once=True),
+        Stage("filter", f"{HERE}.filter", lambda k: {"rollouts_dir": ROLLOUTS, "verify_dir": VERIFIED, "generate_metrics": paths.metrics("generate")},
+              lambda k: {"out": paths.EXPERTS}, ("terminaltraj.filter",), once=True, curve=("count", "row", "bar_horizontal")),
         _base, _bc,
     ),
 )

@@ -1,0 +1,234 @@
+"""Import a local folder of Harbor / Terminal-Bench 2 tasks, or Terminal-Bench 1 tasks, as terminal tasks
+(`qevolve terminal-import SRC DEST`; the layout is `qevolve.envs.terminal`'s).
+
+Such a task's environment is a Docker image built from its Dockerfile. No image is built here: a task is
+imported when its Dockerfile reduces to what the bwrap sandbox can give, files and commands the host has:
+- `FROM` (the host's system stands in for the image), `WORKDIR /app`, `ENV` (exported for the later
+  `RUN`s of `setup.sh`, not into the agent's shell: the gate rejects a task whose oracle needs them),
+  `COPY`/`ADD` of the build context's files into /app (copied into `environment/`), and `RUN` commands
+  whose programs are on this host and install or fetch nothing (they go to `environment/setup.sh`);
+- `LABEL`, `EXPOSE`, `CMD`, `ENTRYPOINT`, `ARG`, `USER` are ignored (the sandbox's user is its own).
+Anything else (a package manager, a download, a program the host lacks, a multi-stage `COPY --from`, a
+`WORKDIR` other than /app, a docker-compose file with services) marks the task `needs_docker`, with the
+Dockerfile's line. The validators are the task's pytest files (`tests/test_*.py`), run as the terminal
+environment runs them; Harbor's `tests/test.sh`, which installs pytest from the network, is not run. A
+task without pytest files or without an oracle (`solution/solve.sh`, TB1's `solution.sh`) is `unsupported`.
+Imported tasks then go through the sanity gate (the oracle passes, a do-nothing agent fails, the oracle
+passes again) unless asked not to. `DEST/<split>/import.json` lists every task with its status and reason.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+import shlex
+import shutil
+import tomllib
+from pathlib import Path
+
+import yaml
+from tqdm import tqdm
+
+from qevolve.data.atomic import atomic_dir, write_json
+from qevolve.errors import UserError
+
+APP = "/app"
+REPORT = "import.json"
+IGNORED = {"LABEL", "EXPOSE", "CMD", "ENTRYPOINT", "ARG", "USER", "MAINTAINER", "HEALTHCHECK", "STOPSIGNAL", "SHELL", "VOLUME"}
+FETCHING = {"apt", "apt-get", "aptitude", "dpkg", "yum", "dnf", "apk", "pacman", "zypper", "pip", "pip3", "pipx", "uv", "conda", "mamba",
+            "npm", "npx", "yarn", "pnpm", "gem", "cargo", "go", "curl", "wget", "git", "snap", "brew"}
+"""Programs that install or download: a RUN that calls one needs the image."""
+
+
+class TaskImportError(UserError, ValueError):
+    hint = "qevolve terminal-import SRC DEST: SRC holds task folders (Harbor: task.toml + instruction.md; Terminal-Bench 1: task.yaml)"
+
+
+class NeedsDocker(Exception):
+    """A Dockerfile line the sandbox cannot stand in for."""
+
+
+def _instructions(dockerfile: Path) -> list[tuple[int, str, str]]:
+    """(line number, INSTRUCTION, arguments), continuations joined, comments dropped."""
+    out, pending, start = [], "", 0
+    for n, raw in enumerate(dockerfile.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        start = start or n
+        if line.endswith("\\"):
+            pending += line[:-1].rstrip() + " "
+            continue
+        text, pending = pending + line, ""
+        word, _, rest = text.partition(" ")
+        out.append((start, word.upper(), rest.strip()))
+        start = 0
+    return out
+
+
+def _programs(command: str) -> list[str]:
+    """The program names of a shell command line's simple commands (split at ;, &&, ||, |)."""
+    names = []
+    for part in re.split(r"&&|\|\||[;|]", command):
+        words = [w for w in shlex.split(part, posix=True) if not re.match(r"^\w+=", w)] if part.strip() else []
+        while words and words[0] in ("sudo", "env", "nohup", "time", "exec"):
+            words = words[1:]
+        if words and words[0] not in ("cd", "export", "set", "true", "false", "[", "test", "echo", "printf", "mkdir", "if", "then", "fi", "for",
+                                      "do", "done", "while", "{", "}", "(", ")"):
+            names.append(words[0])
+    return names
+
+
+def translate(dockerfile: Path) -> tuple[list[tuple[Path, str]], list[str]]:
+    """What a Dockerfile amounts to under the sandbox: (files to copy, as (source, path under /app), setup
+    commands), or `NeedsDocker` naming the line that needs the image."""
+    context = dockerfile.parent
+    files, setup, workdir = [], [], APP
+    for n, word, rest in _instructions(dockerfile):
+        where = f"{dockerfile.name}:{n} `{word} {rest}`"
+        if word == "FROM" or word in IGNORED:
+            continue
+        if word == "WORKDIR":
+            workdir = posixpath.normpath(rest if rest.startswith("/") else f"{workdir}/{rest}")
+            if workdir != APP:
+                raise NeedsDocker(f"{where}: the working directory must be {APP}")
+        elif word == "ENV":
+            pairs = re.findall(r"(\w+)=(\"[^\"]*\"|'[^']*'|\S+)", rest) or [tuple(rest.split(None, 1))]
+            if any(len(p) != 2 for p in pairs):
+                raise NeedsDocker(f"{where}: not `ENV key=value`")
+            setup += [f"export {k}={v}" for k, v in pairs]
+        elif word in ("COPY", "ADD"):
+            args = shlex.split(rest)
+            if any(a.startswith("--") and not a.startswith("--chown") and not a.startswith("--chmod") for a in args):
+                raise NeedsDocker(f"{where}: a COPY from another build stage or with flags needs the image")
+            *sources, dst = [a for a in args if not a.startswith("--")]
+            slash = dst.endswith("/")
+            dst = posixpath.normpath(dst if dst.startswith("/") else f"{workdir}/{dst}") + "/" * slash
+            if not (dst + "/").startswith(APP + "/"):
+                raise NeedsDocker(f"{where}: copies outside {APP}")
+            rel = dst[len(APP):].strip("/")
+            for src in sources:
+                if re.match(r"^\w+://", src) or not (context / src).exists():
+                    raise NeedsDocker(f"{where}: {src} is not a file of the build context")
+                into = (context / src).is_file() and (len(sources) > 1 or dst.endswith("/") or not rel)
+                files.append((context / src, f"{rel}/{Path(src).name}".strip("/") if into else rel))  # a folder: its contents
+        elif word == "RUN":
+            command = rest
+            if command.startswith("["):
+                command = shlex.join(json.loads(command))
+            for program in _programs(command):
+                if program in FETCHING:
+                    raise NeedsDocker(f"{where}: `{program}` installs or downloads")
+                if shutil.which(program) is None:
+                    raise NeedsDocker(f"{where}: `{program}` is not on this host")
+            setup.append(f"( {command} )")  # each RUN in its own shell, from the working directory
+        else:
+            raise NeedsDocker(f"{where}: {word} needs the image")
+    return files, setup
+
+
+def _layout(folder: Path) -> dict | None:
+    """Where a task folder keeps its parts (Harbor / TB2, or TB1), or None when it is not a task."""
+    if (folder / "task.toml").is_file() and (folder / "instruction.md").is_file():
+        return {"kind": "harbor", "dockerfile": folder / "environment" / "Dockerfile", "compose": folder / "environment" / "docker-compose.yaml",
+                "solution": folder / "solution" / "solve.sh"}
+    if (folder / "task.yaml").is_file():
+        return {"kind": "tb1", "dockerfile": folder / "Dockerfile", "compose": folder / "docker-compose.yaml", "solution": folder / "solution.sh"}
+    return None
+
+
+def _compose_services(path: Path) -> int:
+    if not path.is_file():
+        return 0
+    return len((yaml.safe_load(path.read_text()) or {}).get("services", {}) or {})
+
+
+def _task_toml(meta: dict) -> str:
+    """A TB1 task.yaml's settings as a Harbor task.toml."""
+    def q(v) -> str:
+        return json.dumps(str(v))
+
+    return (f'version = "1.0"\n\n[metadata]\ncategory = {q(meta.get("category") or "general")}\ndifficulty = {q(meta.get("difficulty") or "unknown")}\n\n'
+            f'[agent]\ntimeout_sec = {float(meta.get("max_agent_timeout_sec", 360))}\n\n[verifier]\ntimeout_sec = {float(meta.get("max_test_timeout_sec", 60))}\n')
+
+
+def convert(folder: Path, out: Path) -> None:
+    """Write `folder` (a task) as a terminal task at `out`, or raise `NeedsDocker` / `ValueError` (unsupported)."""
+    parts = _layout(folder)
+    tests = sorted((folder / "tests").glob("test_*.py")) if (folder / "tests").is_dir() else []
+    if not tests:
+        raise ValueError(f"{folder / 'tests'}: no pytest validators (test_*.py)")
+    if not parts["solution"].is_file():
+        raise ValueError(f"{parts['solution']}: no oracle")
+    if _compose_services(parts["compose"]) > 1:
+        raise NeedsDocker(f"{parts['compose'].name}: {_compose_services(parts['compose'])} services")
+    files, setup = translate(parts["dockerfile"]) if parts["dockerfile"].is_file() else ([], [])
+    if parts["kind"] == "harbor":
+        tomllib.loads((folder / "task.toml").read_text())  # a malformed task.toml is an unsupported task
+        instruction, toml = (folder / "instruction.md").read_text(), (folder / "task.toml").read_text()
+    else:
+        meta = yaml.safe_load((folder / "task.yaml").read_text()) or {}
+        if not isinstance(meta.get("instruction"), str):
+            raise ValueError(f"{folder / 'task.yaml'}: instruction: expected the task's text")
+        instruction, toml = meta["instruction"], _task_toml(meta)
+    env = out / "environment"
+    env.mkdir(parents=True)
+    for src, rel in files:
+        target = env / rel if rel else env
+        if src.is_dir():
+            shutil.copytree(src, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("Dockerfile", "docker-compose.yaml"))
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, target)
+    if setup:
+        (env / "setup.sh").write_text("\n".join(setup) + "\n")
+    shutil.copytree(folder / "tests", out / "tests", ignore=shutil.ignore_patterns("test.sh", "__pycache__"))
+    (out / "solution").mkdir()
+    shutil.copy2(parts["solution"], out / "solution" / "solve.sh")
+    (out / "instruction.md").write_text(instruction.strip() + "\n")
+    (out / "task.toml").write_text(toml)
+
+
+def import_tasks(src: Path, dest: Path, split: str = "test", terminal=None, max_steps: int = 40, gate: bool = True) -> dict:
+    """Every task folder under `src` into `dest/<split>/<task id>/` (a new split, written whole or not at all);
+    `dest/<split>/import.json` the report. The gate runs in `terminal`'s sandbox (an `env.terminal` config)
+    unless `gate` is False. Returns the counts by status."""
+    from qevolve.envs.base import Task
+    from qevolve.envs.terminal import TerminalEnv
+    from qevolve.envs.terminal_tasks import gate as sanity_gate
+
+    src, dest = Path(src), Path(dest)
+    folders = sorted(f for f in src.iterdir() if f.is_dir() and _layout(f)) if src.is_dir() else []
+    if not folders:
+        raise TaskImportError(f"{src}: no task folders (a Harbor task has task.toml and instruction.md, a Terminal-Bench 1 task task.yaml)")
+    if (dest / split).exists():
+        raise TaskImportError(f"{dest / split}: already exists; import into a new split (--split) or another folder")
+    report = {}
+    with atomic_dir(dest / split) as tmp:
+        env = TerminalEnv(str(dest), terminal, max_steps) if gate else None
+        try:
+            for folder in tqdm(folders, desc="import", unit="task"):
+                try:
+                    convert(folder, tmp / folder.name)
+                except NeedsDocker as err:
+                    report[folder.name] = {"status": "needs_docker", "reason": str(err)}
+                    continue
+                except (ValueError, OSError, yaml.YAMLError, tomllib.TOMLDecodeError) as err:
+                    shutil.rmtree(tmp / folder.name, ignore_errors=True)
+                    report[folder.name] = {"status": "unsupported", "reason": str(err)}
+                    continue
+                why = sanity_gate(env, Task(folder.name, tmp.name, "imported")) if env else ""
+                if why:
+                    shutil.rmtree(tmp / folder.name)
+                    report[folder.name] = {"status": f"rejected_{why}", "reason": f"the sanity gate: {why.replace('_', ' ')}"}
+                else:
+                    report[folder.name] = {"status": "imported", "reason": ""}
+        finally:
+            if env:
+                env.close()
+        write_json(tmp / REPORT, report)
+    counts = {}
+    for r in report.values():
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    return counts
