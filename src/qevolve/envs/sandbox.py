@@ -136,7 +136,7 @@ class _Capture:
 
 
 class Session:
-    """A persistent bash in a sandbox over `workdir` (mounted at /app under bwrap)."""
+    """A persistent bash in a sandbox over `workdir` (mounted at /app under bwrap and docker)."""
 
     def __init__(self, backend: str, workdir: Path, limits: Limits = Limits(), output_bytes: int = 10_000, image: str = ""):
         why = available(backend, image)
