@@ -517,3 +517,74 @@ def test_admissible_mode_offers_the_oracle_its_mistakes_a_look_and_submit(tmp_pa
     env.close()
     assert parse_params({"env": {"name": "terminal", "data_dir": str(tmp_path)}, "experts": {"demos": {"oracle": 1}},
                          "evaluate": {"splits": {"test": 0}}, "policy": {"action_mode": "admissible"}}).policy.action_mode == "admissible"
+
+
+def test_an_llm_writes_tasks_from_source_repositories_and_the_gate_judges_them(tmp_path, fake_chat):
+    import json
+    import tomllib
+
+    from qevolve import dvcfile
+    from qevolve.config import ConfigError, parse_params
+    from qevolve.methods.terminaltraj.author import AuthorError, context, parse
+    from qevolve.methods.terminaltraj.generate import generate
+
+    sources = tmp_path / "sources"
+    for name, script in {"wordcount": "import sys\nprint(len(open(sys.argv[1]).read().split()))\n",
+                         "shouter": "import sys\nprint(open(sys.argv[1]).read().upper(), end='')\n"}.items():
+        (sources / name / ".git").mkdir(parents=True)
+        (sources / name / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+        (sources / name / "tool.py").write_text(script)
+        (sources / name / "input.txt").write_text("three little words\n")
+        (sources / name / "README.md").write_text(f"# {name}\nRun `python3 tool.py FILE`.\n")
+    text = context(sources / "wordcount", 10_000)
+    assert "tool.py" in text and "three little words" in text and ".git" not in text
+    assert len(context(sources / "wordcount", 60)) < 60 + 40, "the budget bounds what the model reads"
+
+    def task(out: str, expected: str, noop: bool = False) -> str:
+        check = "True" if noop else f"Path({out!r}).read_text().strip() == {expected!r}"
+        return json.dumps({"instruction": f"Run tool.py on input.txt and write what it prints to {out}.",
+                           "tests": f"from pathlib import Path\n\ndef test_out():\n    assert {check}\n",
+                           "solution": [f"python3 tool.py input.txt > {out}"], "mistakes": [[f"python3 tool.py README.md > {out}"]],
+                           "domain": "Data Processing", "difficulty": "easy"})
+
+    def answer(body):
+        user = body["messages"][1]["content"]
+        first = "task number 1 " in user
+        if user.startswith("Repository wordcount"):
+            return task("count.txt", "3") if first else "I would suggest counting the words."  # the second answer is no task
+        return task("loud.txt", "THREE LITTLE WORDS") if first else "```json\n" + task("loud.txt", "", noop=True) + "\n```"
+
+    server = fake_chat(answer)
+    raw = {"method": "terminaltraj", "env": {"name": "terminal", "data_dir": "data/instances", "max_steps": 4,
+                                             "terminal": {"sandbox": "local", "command_timeout": 5}},
+           "terminaltraj": {"generate": {"kind": "llm", "sources": str(sources), "per_source": 2, "held_out": ["shouter"],
+                                         "url": server.url, "model": "author", "test_share": 0.0}},
+           "experts": {"demos": {"oracle": 1}}, "evaluate": {"splits": {"train": 1}}, "policy": {"action_mode": "free"}}
+    params = parse_params(raw)
+    assert str(sources) in dvcfile.spec(params)["stages"]["generate"]["deps"], "the source repositories are a dep of generate"
+    assert str(sources) not in dvcfile.spec(parse_params({**raw, "terminaltraj": {}}))["stages"]["generate"]["deps"]
+    m = generate(params, tmp_path / "instances", tmp_path / "generate.json", tmp_path / "details.json")
+    assert (m["generated"], m["passed_gate"], m["rejected_unusable"], m["rejected_noop_passes"]) == (4, 2, 1, 1)
+    assert m["by_family"] == {"wordcount": {"generated": 2, "unusable": 1, "train": 1}, "shouter": {"generated": 2, "test_ood": 1, "noop_passes": 1}}
+    kept = tmp_path / "instances" / "train" / "wordcount-0000"
+    assert sorted(p.name for p in (kept / "environment").iterdir()) == ["README.md", "input.txt", "tool.py"], "the repository, without .git"
+    meta = tomllib.loads((kept / "task.toml").read_text())
+    assert meta["metadata"]["category"] == "wordcount" and meta["source"] == {"repository": "wordcount", "domain": "data-processing"}
+    assert json.loads((kept / "solution" / "mistakes.json").read_text()) == [["python3 tool.py README.md > count.txt"]]
+    assert (tmp_path / "instances" / "test_ood" / "shouter-0000").is_dir()
+    assert server.requests[0]["model"] == "author" and server.requests[0]["temperature"] == 0.7
+
+    with pytest.raises(ValueError, match="solution: expected a list of non-empty strings"):
+        parse(json.dumps({"instruction": "x", "tests": "def test(): pass", "solution": "ls"}), "r")
+    with pytest.raises(ValueError, match="mistakes: expected at most one list per solution command"):
+        parse(json.dumps({"instruction": "x", "tests": "t", "solution": ["ls"], "mistakes": [[], []]}), "r")
+    with pytest.raises(ConfigError, match=r"terminaltraj.generate: .*sources: generate `llm` reads source repositories"):
+        parse_params({**raw, "terminaltraj": {"generate": {"kind": "llm", "url": server.url}}})
+    bad = {**raw["terminaltraj"]["generate"], "held_out": ["nosuch"]}
+    with pytest.raises(AuthorError, match=r"terminaltraj.generate.held_out: \['nosuch'\] name no repository"):
+        generate(parse_params({**raw, "terminaltraj": {"generate": bad}}), tmp_path / "i2", tmp_path / "g2.json", tmp_path / "d2.json")
+    server.server.shutdown()
+    server.server.server_close()
+    with pytest.raises(AuthorError, match=r"terminaltraj.generate.url = 'http://127.0.0.1:\d+/v1': no usable answer"):
+        generate(params, tmp_path / "i3", tmp_path / "g3.json", tmp_path / "d3.json")
+    assert not (tmp_path / "i3").exists() and not (tmp_path / "g3.json").exists(), "nothing half-written"

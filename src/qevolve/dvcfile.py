@@ -82,7 +82,8 @@ def _entry(stage: Stage, params: Params, iterations: list[int]) -> dict:
     k = 0 if stage.once else iterations[0]
     body = {
         "cmd": f"qevolve run {stage.name}" + ("" if stage.once else " --iteration ${key}"),
-        "deps": list(dict.fromkeys([*code_deps(stage.module), *(ref(a, p) for a, p in stage.reads(k).items())])),
+        "deps": list(dict.fromkeys([*code_deps(stage.module), *(ref(a, p) for a, p in stage.reads(k).items()),
+                                    *filter(None, (str(_value(params, key)) for key in stage.path_params))])),
         "params": [key for key in _lineage_keys(stage.params, params) if _given(params, key)],
         "outs": [ref(a, p) for a, p in stage.writes(k).items()] + ([{str(paths.details(name)): {"cache": False}}] if stage.details else []),
         "metrics": [{str(paths.metrics(name)): {"cache": False}}],
@@ -136,13 +137,17 @@ def _lineage_keys(keys: tuple[str, ...], params: Params) -> list[str]:
     out = []
     for key in keys:
         if any(p.startswith(f"{key}.") for p in EXECUTION_PATHS):
-            node = params
-            for part in key.split("."):
-                node = getattr(node, part)
-            out += [f"{key}.{f}" for f in type(node).model_fields if f"{key}.{f}" not in EXECUTION_PATHS]
+            out += [f"{key}.{f}" for f in type(_value(params, key)).model_fields if f"{key}.{f}" not in EXECUTION_PATHS]
         else:
             out.append(key)
     return out
+
+
+def _value(params: Params, key: str):
+    node = params
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
 
 
 def _given(params: Params, key: str) -> bool:

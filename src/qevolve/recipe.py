@@ -60,6 +60,9 @@ class Stage:
     """Passed `iteration=k`."""
     trainer: bool = False
     """Trains a model: `train.processes` > 1 runs it data-parallel under torchrun."""
+    path_params: tuple[str, ...] = ()
+    """params keys naming a file or folder the stage reads (TerminalTraj's `terminaltraj.generate.sources`):
+    where one is set, its path is a DVC dep too."""
     at: Callable[[int], bool] | None = None
     """The iterations it runs in (None: every one), for a method whose first iterations differ from the
     later ones (Multi²: offline in iteration 1, online after)."""

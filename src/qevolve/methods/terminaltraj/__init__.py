@@ -4,8 +4,8 @@ the specification reconstructed from the paper (../shared/research/terminaltraj.
 
     generate -> teacher -> verify -> filter -> base -> bc -> evaluate@0
 
-`generate` makes the tasks from template families through the sanity gate (`data/instances`, which is
-`env.data_dir`), `teacher` rolls the noisy scripted teacher out on the train tasks, `verify` sets the
+`generate` makes the tasks from template families (or a chat model writes them from source
+repositories) through the sanity gate (`data/instances`, which is `env.data_dir`), `teacher` rolls the noisy scripted teacher out on the train tasks, `verify` sets the
 validators' verdict beside a judge's, `filter` keeps the validator-passed (or judge-accepted) rollouts
 as the demonstrations `bc` clones. The paper stops at SFT; each iteration k >= 1 here is Q-Evolve's
 (collect, relabel, critic, advantage, policy) on the same terminal tasks."""
@@ -27,7 +27,7 @@ RECIPE = Recipe(
     "terminaltraj", lambda params: _iteration(params, RECIPE), plays="collect", demonstrations="teacher",
     setup=(
         Stage("generate", f"{HERE}.generate", lambda k: {}, lambda k: {"out": Path(INSTANCES)}, ("env.max_steps", "env.terminal", "terminaltraj.generate"),
-              once=True, details=True),
+              once=True, details=True, path_params=("terminaltraj.generate.sources",)),
         Stage("teacher", f"{HERE}.teacher", lambda k: {"instances_dir": Path(INSTANCES)}, lambda k: {"out": ROLLOUTS},
               ("env.max_steps", "env.terminal", "terminaltraj.teacher"), once=True),
         Stage("verify", f"{HERE}.verify", lambda k: {"rollouts_dir": ROLLOUTS}, lambda k: {"out": VERIFIED}, ("terminaltraj.judge",), once=True),

@@ -4,36 +4,54 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, model_validator
 
 from qevolve.config import Section
 
 INSTANCES = "data/instances"
 """Where `generate` writes the task folders, and so what `env.data_dir` is under this method."""
+REJECTIONS = ("unusable", "oracle_fails", "noop_passes", "flaky")
+"""Why `generate` drops a candidate task: the model's answer is no task, or the sanity gate's reason."""
 LABELS = "labels.json"
 """The file in `verify`'s folder: per rollout, the validators' and the judge's verdicts."""
 
 
 class GenerateConfig(Section):
-    """`generate`: `per_family` tasks of each family (seeds 0..per_family-1, shifted by `seed`); the
-    `held_out` families go to `test_ood` whole, the others' tasks to `test` with probability `test_share`
-    (by a hash of the task id) and to `train` otherwise."""
+    """`generate`, from the template families (`templates`: `per_family` tasks of each of `families`, seeds
+    0..per_family-1 shifted by `seed`) or by a chat model at `url` reading the repositories in `sources`
+    (`llm`: `per_source` tasks of each; `qevolve.methods.terminaltraj.author`). The `held_out` families
+    (under `llm`, repositories) go to `test_ood` whole, the other tasks to `test` with probability
+    `test_share` (by a hash of the task id) and to `train` otherwise."""
 
+    kind: Literal["templates", "llm"] = "templates"
     families: list[str] = Field(default_factory=lambda: ["files", "text", "csv", "json", "archive", "python", "sqlite", "service"], min_length=1)
     held_out: list[str] = Field(default_factory=lambda: ["sqlite", "service"])
     per_family: int = Field(25, gt=0)
     test_share: float = Field(0.2, ge=0, lt=1)
     seed: int = 0
+    sources: str = ""
+    """`llm`: a folder with one sub-folder per source repository (a DVC dep of `generate`)."""
+    per_source: int = Field(1, gt=0)
+    max_source_chars: int = Field(12000, gt=0)
+    """`llm`: how much of a repository's text the model reads."""
+    url: str = ""
+    """`llm`: the base URL of an OpenAI-compatible server (…/v1)."""
+    model: str = ""
+    temperature: float = Field(0.7, ge=0)
+    timeout_s: float = Field(120.0, gt=0)
 
-    @field_validator("families", "held_out")
-    @classmethod
-    def _known(cls, v: list[str]) -> list[str]:
+    @model_validator(mode="after")
+    def _known(self) -> "GenerateConfig":
         from qevolve.envs.terminal_tasks import FAMILIES
 
-        bad = [f for f in v if f not in FAMILIES]
+        if self.kind == "llm":
+            if not self.sources:
+                raise ValueError("sources: generate `llm` reads source repositories; set the folder that holds them")
+            return self
+        bad = [f for f in [*self.families, *self.held_out] if f not in FAMILIES]
         if bad:
-            raise ValueError(f"unknown task family(ies) {bad}; expected some of {list(FAMILIES)}")
-        return v
+            raise ValueError(f"families / held_out: unknown task family(ies) {bad}; expected some of {list(FAMILIES)}")
+        return self
 
 
 class TeacherConfig(Section):
@@ -94,7 +112,7 @@ def check(params) -> None:
     if params.env.data_dir != INSTANCES:
         raise ValueError(f"env.data_dir: under TerminalTraj the tasks are the ones `generate` writes; set env.data_dir: {INSTANCES}, "
                          f"got {params.env.data_dir!r}")
-    for name in ("teacher", "judge"):
+    for name in ("generate", "teacher", "judge"):
         cfg = getattr(params.terminaltraj, name)
         if cfg.kind == "llm" and not cfg.url.startswith(("http://", "https://")):
             raise ValueError(f"terminaltraj.{name}.url: {name} `llm` needs the http(s) URL of an OpenAI-compatible server (…/v1), got {cfg.url!r}")

@@ -14,7 +14,7 @@ from pathlib import Path
 from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import read_store, write_store
-from qevolve.methods.terminaltraj.config import LABELS
+from qevolve.methods.terminaltraj.config import LABELS, REJECTIONS
 
 
 FUNNEL = ("generated", "passed_gate", "train_tasks", "rollouts", "verified", "kept")
@@ -32,12 +32,12 @@ def funnel(generated: dict, trajs: list, kept: list) -> tuple[dict, dict]:
         out = dict(counts)
         for before, row in zip(FUNNEL, FUNNEL[1:]):
             out[f"{row}_rate"] = counts[row] / counts[before] if counts[before] else float("nan")
-        out |= {f"rejected_{why}": gen.get(why, 0) for why in ("oracle_fails", "noop_passes", "flaky")}
+        out |= {f"rejected_{why}": gen.get(why, 0) for why in REJECTIONS}
         return out
 
     by_family = {f: rows(c, f) for f, c in generated["by_family"].items()}
-    total = {key: sum(c.get(key, 0) for c in generated["by_family"].values()) for key in ("generated", "train", "test", "test_ood",
-                                                                                          "oracle_fails", "noop_passes", "flaky")}
+    keys = ("generated", "train", "test", "test_ood", *REJECTIONS)
+    total = {key: sum(c.get(key, 0) for c in generated["by_family"].values()) for key in keys}
     return rows(total, None), by_family
 
 
