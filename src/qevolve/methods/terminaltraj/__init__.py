@@ -7,9 +7,9 @@ the specification reconstructed from the paper (../shared/research/terminaltraj.
 `generate` makes the tasks from template families (or a chat model writes them from source
 repositories) through the sanity gate (`data/instances`, which is `env.data_dir`), `teacher` rolls the
 noisy scripted teacher out on the train tasks, `verify` sets the validators' verdict beside a judge's,
-`filter` keeps the validator-passed (or judge-accepted) rollouts as the demonstrations `bc` clones. The paper stops at SFT;
-each iteration k >= 1 here is Q-Evolve's (collect, relabel, critic, advantage, policy) on the same
-terminal tasks."""
+`filter` keeps the validator-passed (or judge-accepted) rollouts as the demonstrations `bc` clones.
+The paper stops at SFT; each iteration k >= 1 here is Q-Evolve's (collect, relabel, critic, advantage,
+policy) on the same terminal tasks."""
 
 from __future__ import annotations
 
