@@ -10,6 +10,8 @@ checked out from DVC's run cache instead of being computed again. A killed table
     python -m flows.table benchmarks/table.yaml                 # into runs/<name>/
     python -m flows.table benchmarks/table-smoke.yaml --out /tmp/smoke
     python -m flows.table benchmarks/table.yaml --seeds 1       # the first seed only
+    python -m flows.table benchmarks/multi2.yaml --seed 1 --env-steps N --out runs/s1   # one seed, elsewhere
+    python -m flows.table benchmarks/multi2.yaml --merge runs/s0/results.json runs/s1/results.json
 
 It writes `<out>/table.md` (mean and std over seeds per row), `<out>/results.json`, `<out>/curves/`
 and their DVC plots rendered to `<out>/success_by_iteration.png` and `success_by_env_steps.png`, and logs one MLflow parent run for the table with one
@@ -132,6 +134,61 @@ def first_seeds(spec: Spec, n: int) -> Spec:
         raise ConfigError(f"--seeds: expected at least 1, got {n}")
     workspaces = {name: ws.model_copy(update={"seeds": min(ws.seeds, n)}) for name, ws in spec.workspaces.items()}
     return spec.model_copy(update={"seeds": spec.seeds[:n], "workspaces": workspaces})
+
+
+def only_seeds(spec: Spec, wanted: list[int]) -> Spec:
+    """The spec cut to the seeds in `wanted`: each workspace runs those of its seeds that are wanted, a
+    workspace with none of them is left out with its rows (a table's seeds run on machines or in sessions
+    of their own, their results joined by `merge`)."""
+    unknown = sorted(set(wanted) - set(spec.seeds))
+    if unknown:
+        raise ConfigError(f"--seed: {unknown} not among the spec's seeds {spec.seeds}")
+    workspaces = {}
+    for name, ws in spec.workspaces.items():
+        n = len(set(spec.seeds[: ws.seeds]) & set(wanted))  # a prefix of the wanted seeds, in the spec's order
+        if n:
+            workspaces[name] = ws.model_copy(update={"seeds": n})
+    rows = [r for r in spec.rows if r.workspace in workspaces]
+    return spec.model_copy(update={"seeds": [s for s in spec.seeds if s in wanted], "workspaces": workspaces, "rows": rows})
+
+
+def budget(spec: Spec, name: str, out: Path, given: int | None) -> int | None:
+    """The env steps workspace `name` is to spend (`match_env_steps`): `given`, or what the matched
+    workspace's first seed spent in `out`."""
+    ws = spec.workspaces[name]
+    if not ws.match_env_steps or given is not None:
+        return given if ws.match_env_steps else None
+    other = out / f"{ws.match_env_steps}-s{spec.seeds[0]}"
+    if ws.match_env_steps not in spec.workspaces or not (other / "metrics" / "experts.json").exists():
+        raise ConfigError(f"workspaces.{name}.match_env_steps: {ws.match_env_steps}'s first seed has not run in {out}; run it first, "
+                          f"or pass --env-steps N (the `env_steps_budget` of the results.json of the run that did)")
+    return spent_env_steps(other, spec.workspaces[ws.match_env_steps].iterations)
+
+
+def merge(spec: Spec, files: list[Path]) -> tuple[list[dict], list[dict]]:
+    """The rows of several results.json files of `spec`'s table (each from `--seed` runs), every row's
+    seeds joined; and per file its commit and wall time. A seed given twice for a row is refused."""
+    rows = {r.name: {"row": r.name, "workspace": r.workspace, "stage": r.stage, "seeds": []} for r in spec.rows}
+    sources = []
+    for f in files:
+        try:
+            data = json.loads(Path(f).read_text())
+            name, given = data["spec"]["name"], data["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ConfigError(f"{f}: not a table's results.json ({type(err).__name__}: {err})") from None
+        if name != spec.name:
+            raise ConfigError(f"{f}: spec.name: results of table {name!r}, expected {spec.name!r}")
+        for r in given:
+            if r["row"] not in rows:
+                raise ConfigError(f"{f}: rows: row {r['row']!r} is not in {spec.name}'s spec")
+            dup = sorted({s["seed"] for s in rows[r["row"]]["seeds"]} & {s["seed"] for s in r["seeds"]})
+            if dup:
+                raise ConfigError(f"{f}: rows: row {r['row']!r} has seed(s) {dup} that an earlier file gave")
+            rows[r["row"]]["seeds"] += r["seeds"]
+        sources.append({"file": str(f), "git_commit": data.get("git_commit"), "wall_s": data.get("wall_s")})
+    for r in rows.values():
+        r["seeds"].sort(key=lambda s: s["seed"])
+    return [r for r in rows.values() if r["seeds"]], sources
 
 
 def get_dotted(params: dict, key: str):
@@ -369,16 +426,20 @@ def log_table(spec: Spec, results: list[dict], wall_s: float, images: list[Path]
 
 
 @flow(name="table")
-def table(spec_path: str, out: str | None = None, seeds: int | None = None) -> dict:
-    """Run every workspace and seed of the spec (each an evolution; only the first `seeds` seeds if
-    given), then write and log the table."""
+def table(spec_path: str, out: str | None = None, seeds: int | None = None, only: list[int] | None = None,
+          env_steps: int | None = None) -> dict:
+    """Run every workspace and seed of the spec (each an evolution; only the first `seeds` seeds, or the
+    seeds in `only`, if given), then write and log the table. `env_steps`: the budget of the
+    `match_env_steps` workspaces, where the workspace they match does not run here."""
     from flows.evolve import evolve
 
     start = time.perf_counter()
     commit = git_commit()
-    spec = load_spec(Path(spec_path))
+    full = spec = load_spec(Path(spec_path))
     if seeds is not None:
         spec = first_seeds(spec, seeds)
+    if only:
+        spec = only_seeds(spec, only)
     out_dir = Path(out or ROOT / "runs" / spec.name).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     import mlflow
@@ -389,13 +450,12 @@ def table(spec_path: str, out: str | None = None, seeds: int | None = None) -> d
     for name, ws in spec.workspaces.items():  # validate every workspace's parameters before any compute
         for seed in spec.seeds[: ws.seeds]:
             workspace_params(spec, name, seed, 1 if ws.match_env_steps else None)
+    budgets = {}
     for n, (name, seed) in enumerate(plan, 1):
-        ws = spec.workspaces[name]
-        env_steps = None
-        if ws.match_env_steps:
-            env_steps = spent_env_steps(out_dir / f"{ws.match_env_steps}-s{spec.seeds[0]}", spec.workspaces[ws.match_env_steps].iterations)
+        if spec.workspaces[name].match_env_steps:
+            budgets[name] = budget(full, name, out_dir, env_steps)
         root = out_dir / f"{name}-s{seed}"
-        prepare(root, workspace_params(spec, name, seed, env_steps), out_dir / "dvc-cache")
+        prepare(root, workspace_params(spec, name, seed, budgets.get(name)), out_dir / "dvc-cache")
         print(f"[table] {n}/{len(plan)}: {name} seed {seed} in {root}", flush=True)
         try:
             evolve(root=str(root))
@@ -407,20 +467,44 @@ def table(spec_path: str, out: str | None = None, seeds: int | None = None) -> d
     images = render_plots(out_dir)
     run_id = log_table(spec, results, wall, images, commit)
     text = markdown(results, spec.by_type)
-    write_json(out_dir / "results.json", {"spec": spec.model_dump(), "rows": results, "wall_s": wall, "git_commit": commit, "mlflow_parent_run_id": run_id})
+    write_json(out_dir / "results.json", {"spec": spec.model_dump(), "rows": results, "wall_s": wall, "git_commit": commit, "mlflow_parent_run_id": run_id,
+                                          "env_steps_budget": budgets})
     with atomic_path(out_dir / "table.md") as tmp:
         tmp.write_text(text)
     return {"out": str(out_dir), "mlflow_parent_run_id": run_id, "wall_s": wall, "table": text, "images": [str(p) for p in images], "git_commit": commit}
+
+
+def write_merged(spec_path: str, files: list[str], out: str | None = None) -> dict:
+    """`merge` of the results files into `<out>/table.md` and `<out>/results.json` (no runs, no plots:
+    those stay with each run's own folder and MLflow database)."""
+    spec = load_spec(Path(spec_path))
+    results, sources = merge(spec, [Path(f) for f in files])
+    out_dir = Path(out or ROOT / "runs" / spec.name).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = markdown(results, spec.by_type)
+    write_json(out_dir / "results.json", {"spec": spec.model_dump(), "rows": results, "merged_from": sources})
+    with atomic_path(out_dir / "table.md") as tmp:
+        tmp.write_text(text)
+    return {"out": str(out_dir), "table": text, "sources": sources}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("spec", help="table spec, e.g. benchmarks/table.yaml")
     parser.add_argument("--out", help="output folder (default runs/<spec name>)")
-    parser.add_argument("--seeds", type=int, help="run only the spec's first N seeds")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--seeds", type=int, help="run only the spec's first N seeds")
+    which.add_argument("--seed", type=int, action="append", help="run only this seed of the spec (repeatable); join the runs with --merge")
+    which.add_argument("--merge", nargs="+", metavar="RESULTS", help="run nothing: join these results.json files of the spec's table into one table")
+    parser.add_argument("--env-steps", type=int, help="the budget of the match_env_steps workspaces when the workspace they match does not run here")
     args = parser.parse_args(argv)
     try:
-        result = table(args.spec, args.out, args.seeds)
+        if args.merge:
+            result = write_merged(args.spec, args.merge, args.out)
+            print(result["table"])
+            print("joined " + ", ".join(f"{s['file']} (commit {s['git_commit']})" for s in result["sources"]) + f" into {result['out']}")
+            return 0
+        result = table(args.spec, args.out, args.seeds, args.seed, args.env_steps)
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2

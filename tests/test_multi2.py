@@ -243,6 +243,44 @@ def test_the_miniature_spec_validates_and_its_table_counts_successes_by_depth():
     assert "| 50.0 ± 17.7 (4/8) | 25.0 ± 21.7 (1/4) | 41.7 ± 14.2 (5/12) | 110 ± 14 / 290 ± 14 | 2.50 ± 0.71 | 20.0 ± 14.1 | 25.0 ± 35.4 |" in line
 
 
+def test_a_tables_seeds_run_apart_and_their_results_join_into_one_table(tmp_path):
+    import json
+
+    from conftest import REPO
+    from flows.table import budget, load_spec, main, merge, only_seeds
+
+    spec = load_spec(REPO / "benchmarks" / "multi2.yaml")
+    one = only_seeds(spec, [1])
+    assert one.seeds == [1] and {n: ws.seeds for n, ws in one.workspaces.items()} == {"flat": 1, "multi2": 1}, "Q-Evolve and free run seed 0 only"
+    assert {r.workspace for r in one.rows} == {"flat", "multi2"}
+    assert {n: ws.seeds for n, ws in only_seeds(spec, [0, 2]).workspaces.items()} == {"flat": 2, "qevolve": 1, "multi2": 2, "free": 1}
+    with pytest.raises(ConfigError, match=r"--seed: \[7\] not among the spec's seeds \[0, 1, 2\]"):
+        only_seeds(spec, [7])
+    with pytest.raises(ConfigError, match=r"workspaces.multi2.match_env_steps: qevolve's first seed has not run in .*pass --env-steps N"):
+        budget(spec, "multi2", tmp_path, None)
+    assert budget(spec, "multi2", tmp_path, 1234) == 1234 and budget(spec, "flat", tmp_path, 1234) is None
+
+    def seed(k, won):
+        return {"seed": k, "workspace": f"flat-s{k}", "test/by_type": {"depth2": {"episodes": 4, "won": won}}, "test/tokens_per_episode": 900.0,
+                "test/invalid_rate": 0.1, "test/repeated_rate": 0.0}
+    files = []
+    for k, won in ((0, 1), (1, 3)):
+        rows = [{"row": "flat BC", "workspace": "flat", "stage": "evaluate@0", "seeds": [seed(k, won)]}]
+        files.append(tmp_path / f"s{k}.json")
+        files[-1].write_text(json.dumps({"spec": {"name": spec.name}, "rows": rows, "git_commit": f"c{k}", "wall_s": 10.0}))
+    rows, sources = merge(spec, files[::-1])
+    assert [s["seed"] for s in rows[0]["seeds"]] == [0, 1] and [s["git_commit"] for s in sources] == ["c1", "c0"] and len(rows) == 1
+    with pytest.raises(ConfigError, match=r"s0.json: rows: row 'flat BC' has seed\(s\) \[0\] that an earlier file gave"):
+        merge(spec, [files[0], files[0]])
+    (tmp_path / "other.json").write_text(json.dumps({"spec": {"name": "smoke"}, "rows": []}))
+    with pytest.raises(ConfigError, match=r"other.json: spec.name: results of table 'smoke', expected 'textcraft-multi2'"):
+        merge(spec, [tmp_path / "other.json"])
+    assert main([str(REPO / "benchmarks" / "multi2.yaml"), "--merge", *map(str, files), "--out", str(tmp_path / "joined")]) == 0
+    table = (tmp_path / "joined" / "table.md").read_text()
+    assert "| 1 | flat BC | 2 | 50.0 ± 17.7 (4/8) |" in table, "4 of 8 episodes pooled over both seeds"
+    assert json.loads((tmp_path / "joined" / "results.json").read_text())["merged_from"][1]["git_commit"] == "c1"
+
+
 def test_the_swapped_roles_ablation_trains_system_1_and_leaves_system_2_as_cloned(tmp_path, monkeypatch):
     raw = _tiny("textcraft", tmp_path)
     raw.update(method="multi2", multi2={"rl_roles": ["high"], "critic": {"epochs": 1, "batch_size": 4}, "policy": {"epochs": 2, "batch_size": 4, "lr": 1e-3}})
