@@ -87,13 +87,16 @@ class Spec(BaseModel):
     seeds: list[int] = Field(min_length=1)
     workspaces: dict[str, Workspace]
     rows: list[Row] = Field(min_length=1)
+    pair: list[str] = Field(default_factory=lambda: list(SPLITS), min_length=1, max_length=2)
+    """The splits the table reports side by side: ALFWorld's seen and unseen games by default, TerminalTraj's
+    `test` and `test_ood`."""
     by_type: str | None = None
     """A split to report per task type instead of the seen/unseen pair (TextCraft's `test`, whose task types
     are the recipe depths): success per type with its binomial standard error over every seed's episodes,
     tokens per episode by role, System 1 calls per episode, invalid and repeated-action rates."""
 
     def splits(self) -> tuple[str, ...]:
-        return (self.by_type,) if self.by_type else SPLITS
+        return (self.by_type,) if self.by_type else tuple(self.pair)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Spec":
@@ -158,11 +161,11 @@ def budget(spec: Spec, name: str, out: Path, given: int | None) -> int | None:
     ws = spec.workspaces[name]
     if not ws.match_env_steps or given is not None:
         return given if ws.match_env_steps else None
-    other = out / f"{ws.match_env_steps}-s{spec.seeds[0]}"
-    if ws.match_env_steps not in spec.workspaces or not (other / "metrics" / "experts.json").exists():
+    other, iterations = out / f"{ws.match_env_steps}-s{spec.seeds[0]}", spec.workspaces[ws.match_env_steps].iterations
+    if not (other / "metrics" / f"collect@{iterations}.json").exists():
         raise ConfigError(f"workspaces.{name}.match_env_steps: {ws.match_env_steps}'s first seed has not run in {out}; run it first, "
                           f"or pass --env-steps N (the `env_steps_budget` of the results.json of the run that did)")
-    return spent_env_steps(other, spec.workspaces[ws.match_env_steps].iterations)
+    return spent_env_steps(other, iterations)
 
 
 def merge(spec: Spec, files: list[Path]) -> tuple[list[dict], list[dict]]:
@@ -247,9 +250,17 @@ def read_metrics(root: Path, stage: str) -> dict:
     return json.loads((root / "metrics" / f"{stage}.json").read_text())
 
 
+def demonstration_steps(root: Path) -> int:
+    """Env steps the workspace's demonstrations took: the experts' (TerminalTraj's: its teacher's)."""
+    from qevolve.recipe import load_recipe
+
+    method = yaml.safe_load((root / "params.yaml").read_text()).get("method", "qevolve")
+    return read_metrics(root, load_recipe(method).demonstrations)["cumulative_env_steps"]
+
+
 def own_env_steps(root: Path, cumulative: int) -> int:
-    """Env steps of the workspace's own rollouts in a cumulative count (the experts' steps taken off)."""
-    return cumulative - read_metrics(root, "experts")["cumulative_env_steps"]
+    """Env steps of the workspace's own rollouts in a cumulative count (the demonstrations' steps taken off)."""
+    return cumulative - demonstration_steps(root)
 
 
 def spent_env_steps(root: Path, iterations: int) -> int:
@@ -270,7 +281,7 @@ def gather(spec: Spec, out: Path) -> list[dict]:
         for seed in spec.seeds[: ws.seeds]:
             root = out / f"{row.workspace}-s{seed}"
             m = read_metrics(root, row.stage)
-            experts = read_metrics(root, "experts")["cumulative_env_steps"]
+            experts = demonstration_steps(root)
             first = next(iter(m.values()))
             seeds.append({
                 "seed": seed, "workspace": str(root.relative_to(out)),
@@ -325,19 +336,18 @@ def by_type_markdown(results: list[dict], split: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown(results: list[dict], by_type: str | None = None) -> str:
+def markdown(results: list[dict], by_type: str | None = None, pair: tuple[str, ...] = SPLITS) -> str:
     if by_type:
         return by_type_markdown(results, by_type)
-    head = ("| # | row | seeds | seen success % | seen reward | unseen success % | unseen reward | own env steps | generated tokens | "
-            "tokens per seen episode |")
-    lines = [head, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    label = {"valid_seen": "seen", "valid_unseen": "unseen"}
+    head = (f"| # | row | seeds | {' | '.join(f'{label.get(s, s)} success % | {label.get(s, s)} reward' for s in pair)} | own env steps | "
+            f"generated tokens | tokens per {label.get(pair[0], pair[0])} episode |")
+    lines = [head, "|---:|---|---:|" + "---:|---:|" * len(pair) + "---:|---:|---:|"]
     for i, r in enumerate(results, 1):
         col = lambda key: [s[key] for s in r["seeds"] if key in s]  # noqa: E731
-        lines.append(
-            f"| {i} | {r['row']} | {len(r['seeds'])} | {fmt(col('valid_seen/success_rate'), True)} | {fmt(col('valid_seen/avg_reward'))} | "
-            f"{fmt(col('valid_unseen/success_rate'), True)} | {fmt(col('valid_unseen/avg_reward'))} | {fmt(col('own_env_steps'), digits=0)} | "
-            f"{fmt(col('generated_tokens'), digits=0)} | {fmt(col('valid_seen/tokens_per_episode'), digits=0)} |"
-        )
+        cells = " | ".join(f"{fmt(col(f'{s}/success_rate'), True)} | {fmt(col(f'{s}/avg_reward'))}" for s in pair)
+        lines.append(f"| {i} | {r['row']} | {len(r['seeds'])} | {cells} | {fmt(col('own_env_steps'), digits=0)} | "
+                     f"{fmt(col('generated_tokens'), digits=0)} | {fmt(col(f'{pair[0]}/tokens_per_episode'), digits=0)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -413,7 +423,7 @@ def log_table(spec: Spec, results: list[dict], wall_s: float, images: list[Path]
     use_experiment(f"table-{spec.name}")
     with mlflow.start_run(run_name=f"table-{spec.name}", tags={"qevolve.git_commit": commit}) as parent:
         mlflow.log_metric("wall_s", wall_s)
-        mlflow.log_text(markdown(results, spec.by_type), "table.md")
+        mlflow.log_text(markdown(results, spec.by_type, spec.splits()), "table.md")
         for image in images:
             mlflow.log_artifact(str(image))
         for i, r in enumerate(results, 1):
@@ -466,7 +476,7 @@ def table(spec_path: str, out: str | None = None, seeds: int | None = None, only
     write_curves(spec, out_dir)
     images = render_plots(out_dir)
     run_id = log_table(spec, results, wall, images, commit)
-    text = markdown(results, spec.by_type)
+    text = markdown(results, spec.by_type, spec.splits())
     write_json(out_dir / "results.json", {"spec": spec.model_dump(), "rows": results, "wall_s": wall, "git_commit": commit, "mlflow_parent_run_id": run_id,
                                           "env_steps_budget": budgets})
     with atomic_path(out_dir / "table.md") as tmp:
@@ -481,7 +491,7 @@ def write_merged(spec_path: str, files: list[str], out: str | None = None) -> di
     results, sources = merge(spec, [Path(f) for f in files])
     out_dir = Path(out or ROOT / "runs" / spec.name).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    text = markdown(results, spec.by_type)
+    text = markdown(results, spec.by_type, spec.splits())
     write_json(out_dir / "results.json", {"spec": spec.model_dump(), "rows": results, "merged_from": sources})
     with atomic_path(out_dir / "table.md") as tmp:
         tmp.write_text(text)

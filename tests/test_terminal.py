@@ -588,3 +588,21 @@ def test_an_llm_writes_tasks_from_source_repositories_and_the_gate_judges_them(t
     with pytest.raises(AuthorError, match=r"terminaltraj.generate.url = 'http://127.0.0.1:\d+/v1': no usable answer"):
         generate(params, tmp_path / "i3", tmp_path / "g3.json", tmp_path / "d3.json")
     assert not (tmp_path / "i3").exists() and not (tmp_path / "g3.json").exists(), "nothing half-written"
+
+
+def test_the_verification_miniature_spec_shares_its_rollouts_and_reports_test_and_ood():
+    from conftest import REPO
+    from flows.table import load_spec, markdown, workspace_params
+
+    spec = load_spec(REPO / "benchmarks" / "terminaltraj.yaml")
+    every = {name: workspace_params(spec, name, 2, None) for name in spec.workspaces}
+    judge = every["judge-100"]["terminaltraj"]
+    assert judge["filter"] == {"keep": "judge", "n": 100, "seed": 2} and every["judge-100"]["bc"]["seed"] == 2
+    assert every["validator-50"]["terminaltraj"]["filter"]["keep"] == "validator"
+    shared = {name: (p["env"], p["terminaltraj"]["generate"], p["terminaltraj"]["teacher"]) for name, p in every.items()}
+    assert len({repr(v) for v in shared.values()}) == 1 and judge["generate"]["per_family"] == 20, "one set of rollouts, from the run cache"
+    seeds = [{"test/success_rate": 0.5, "test/avg_reward": 0.5, "test_ood/success_rate": 0.0, "test_ood/avg_reward": 0.25,
+              "own_env_steps": 0, "generated_tokens": 10, "test/tokens_per_episode": 300.0}]
+    head, _, line = markdown([{"row": "BC, 50 kept by the judge", "seeds": seeds}], None, spec.splits()).splitlines()
+    assert head.startswith("| # | row | seeds | test success % | test reward | test_ood success % | test_ood reward |") and "tokens per test episode" in head
+    assert line.startswith("| 1 | BC, 50 kept by the judge | 1 | 50.0 | 0.500 | 0.0 | 0.250 | 0 | 10 | 300 |")
