@@ -41,7 +41,7 @@ from qevolve.recipe import methods
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED_KEYS = {"bc.seed": 1, "collect.seed": 100, "critic.seed": 1, "policy.seed": 1, "online.seed": 100,
-             "step_hrl.critic.seed": 1, "step_hrl.policy.seed": 1, "multi2.critic.seed": 1, "multi2.policy.seed": 1,
+             "step_hrl.critic.seed": 1, "step_hrl.policy.seed": 1, "multi2.critic.seed": 1, "multi2.policy.seed": 1, "multi2.online.seed": 100,
              "terminaltraj.filter.seed": 1}
 """What a seed changes: each key gets `base value + seed * step` (collect and online seeds step by 100, since
 iteration k already adds k to them). A key in a section named after a method (`step_hrl`, `multi2`) is set only in

@@ -232,6 +232,7 @@ def test_the_miniature_spec_validates_and_its_table_counts_successes_by_depth():
     every = {name: workspace_params(spec, name, spec.seeds[-1], 100 if ws.match_env_steps else None) for name, ws in spec.workspaces.items()}
     params = every["multi2"]
     assert params["method"] == "multi2" and params["multi2"]["online"]["env_steps"] == 100 and params["multi2"]["critic"]["seed"] == 2
+    assert params["multi2"]["online"]["seed"] == 201, "the online phase's episodes differ by seed too"
     assert params["multi2"]["high_mode"] == "observed" and every["free"]["multi2"]["high_mode"] == "free"
     assert every["free"]["bc"] == params["bc"] and every["free"]["model"] == params["model"]  # the same SFT, from the run cache
     seeds = [{"test/by_type": {"depth2": {"episodes": 4, "won": 3}, "depth3": {"episodes": 2, "won": 0}}, "test/high_tokens_per_episode": 100.0,
@@ -241,6 +242,21 @@ def test_the_miniature_spec_validates_and_its_table_counts_successes_by_depth():
     line = markdown([{"row": "Multi²", "seeds": seeds}], "test").splitlines()[2]
     # depth2: 4 of 8 pooled, p = 0.5, s.e. sqrt(0.25 / 8) = 0.1768; depth3: 1 of 4, s.e. sqrt(0.1875 / 4) = 0.2165; all: 5 of 12
     assert "| 50.0 ± 17.7 (4/8) | 25.0 ± 21.7 (1/4) | 41.7 ± 14.2 (5/12) | 110 ± 14 / 290 ± 14 | 2.50 ± 0.71 | 20.0 ± 14.1 | 25.0 ± 35.4 |" in line
+
+
+def test_the_ablation_spec_trains_each_role_choice_and_the_kl_anchor_on_the_miniatures_settings():
+    from conftest import REPO
+    from flows.table import load_spec, workspace_params
+
+    spec = load_spec(REPO / "benchmarks" / "multi2-ablations.yaml")
+    every = {name: workspace_params(spec, name, spec.seeds[ws.seeds - 1], None) for name, ws in spec.workspaces.items()}
+    assert {n: tuple(parse_params(p).multi2.rl_roles) for n, p in every.items()} == {
+        "system2": ("low",), "swapped": ("high",), "both": ("high", "low"), "kl": ("low",), "no-kl": ("low",)}
+    assert (every["kl"]["multi2"]["online"]["eta"], every["no-kl"]["multi2"]["online"]["eta"]) == (0.02, 0.0)
+    mini = workspace_params(load_spec(REPO / "benchmarks" / "multi2.yaml"), "multi2", 0, 942)
+    same = workspace_params(spec, "kl", 0, None)
+    assert {k: v for k, v in parse_params(same).model_dump().items() if k != "evolve"} == {
+        k: v for k, v in parse_params(mini).model_dump().items() if k != "evolve"}, "the miniature's Multi² row, its budget measured"
 
 
 def test_a_tables_seeds_run_apart_and_their_results_join_into_one_table(tmp_path):
