@@ -11,6 +11,7 @@ checked out from DVC's run cache instead of being computed again. A killed table
     python -m flows.table benchmarks/table-smoke.yaml --out /tmp/smoke
     python -m flows.table benchmarks/table.yaml --seeds 1       # the first seed only
     python -m flows.table benchmarks/multi2.yaml --seed 1 --env-steps N --out runs/s1   # one seed, elsewhere
+    python -m flows.table benchmarks/multi2.yaml --seed 0 --workspace multi2 --env-steps N --out runs/s0b   # one workspace
     python -m flows.table benchmarks/multi2.yaml --merge runs/s0/results.json runs/s1/results.json
 
 It writes `<out>/table.md` (mean and std over seeds per row), `<out>/results.json`, `<out>/curves/`
@@ -153,6 +154,15 @@ def only_seeds(spec: Spec, wanted: list[int]) -> Spec:
             workspaces[name] = ws.model_copy(update={"seeds": n})
     rows = [r for r in spec.rows if r.workspace in workspaces]
     return spec.model_copy(update={"seeds": [s for s in spec.seeds if s in wanted], "workspaces": workspaces, "rows": rows})
+
+
+def only_workspaces(spec: Spec, names: list[str]) -> Spec:
+    """The spec cut to the workspaces `names` and their rows (a table's missing rows run on their own)."""
+    unknown = [n for n in names if n not in spec.workspaces]
+    if unknown:
+        raise ConfigError(f"--workspace: {unknown} not among the spec's workspaces {list(spec.workspaces)}")
+    rows = [r for r in spec.rows if r.workspace in names]
+    return spec.model_copy(update={"workspaces": {n: ws for n, ws in spec.workspaces.items() if n in names}, "rows": rows})
 
 
 def budget(spec: Spec, name: str, out: Path, given: int | None) -> int | None:
@@ -437,10 +447,10 @@ def log_table(spec: Spec, results: list[dict], wall_s: float, images: list[Path]
 
 @flow(name="table")
 def table(spec_path: str, out: str | None = None, seeds: int | None = None, only: list[int] | None = None,
-          env_steps: int | None = None) -> dict:
+          env_steps: int | None = None, workspaces: list[str] | None = None) -> dict:
     """Run every workspace and seed of the spec (each an evolution; only the first `seeds` seeds, or the
-    seeds in `only`, if given), then write and log the table. `env_steps`: the budget of the
-    `match_env_steps` workspaces, where the workspace they match does not run here."""
+    seeds in `only`, and only `workspaces`, if given), then write and log the table. `env_steps`: the
+    budget of the `match_env_steps` workspaces, where the workspace they match does not run here."""
     from flows.evolve import evolve
 
     start = time.perf_counter()
@@ -450,6 +460,8 @@ def table(spec_path: str, out: str | None = None, seeds: int | None = None, only
         spec = first_seeds(spec, seeds)
     if only:
         spec = only_seeds(spec, only)
+    if workspaces:
+        spec = only_workspaces(spec, workspaces)
     out_dir = Path(out or ROOT / "runs" / spec.name).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     import mlflow
@@ -506,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--seeds", type=int, help="run only the spec's first N seeds")
     which.add_argument("--seed", type=int, action="append", help="run only this seed of the spec (repeatable); join the runs with --merge")
     which.add_argument("--merge", nargs="+", metavar="RESULTS", help="run nothing: join these results.json files of the spec's table into one table")
+    parser.add_argument("--workspace", action="append", help="run only this workspace of the spec (repeatable), with its rows")
     parser.add_argument("--env-steps", type=int, help="the budget of the match_env_steps workspaces when the workspace they match does not run here")
     args = parser.parse_args(argv)
     try:
@@ -514,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
             print(result["table"])
             print("joined " + ", ".join(f"{s['file']} (commit {s['git_commit']})" for s in result["sources"]) + f" into {result['out']}")
             return 0
-        result = table(args.spec, args.out, args.seeds, args.seed, args.env_steps)
+        result = table(args.spec, args.out, args.seeds, args.seed, args.env_steps, args.workspace)
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2

@@ -263,7 +263,7 @@ def test_a_tables_seeds_run_apart_and_their_results_join_into_one_table(tmp_path
     import json
 
     from conftest import REPO
-    from flows.table import budget, load_spec, main, merge, only_seeds
+    from flows.table import budget, load_spec, main, merge, only_seeds, only_workspaces
 
     spec = load_spec(REPO / "benchmarks" / "multi2.yaml")
     one = only_seeds(spec, [1])
@@ -275,6 +275,10 @@ def test_a_tables_seeds_run_apart_and_their_results_join_into_one_table(tmp_path
     with pytest.raises(ConfigError, match=r"workspaces.multi2.match_env_steps: qevolve's first seed has not run in .*pass --env-steps N"):
         budget(spec, "multi2", tmp_path, None)
     assert budget(spec, "multi2", tmp_path, 1234) == 1234 and budget(spec, "flat", tmp_path, 1234) is None
+    rest = only_workspaces(only_seeds(spec, [0]), ["multi2", "free"])
+    assert list(rest.workspaces) == ["multi2", "free"] and [r.workspace for r in rest.rows] == ["multi2", "free", "multi2", "multi2"]
+    with pytest.raises(ConfigError, match=r"--workspace: \['nosuch'\] not among the spec's workspaces"):
+        only_workspaces(spec, ["nosuch"])
 
     def seed(k, won):
         return {"seed": k, "workspace": f"flat-s{k}", "test/by_type": {"depth2": {"episodes": 4, "won": won}}, "test/tokens_per_episode": 900.0,
