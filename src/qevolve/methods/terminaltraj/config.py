@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from qevolve.config import Section
 
@@ -40,17 +40,22 @@ class GenerateConfig(Section):
     temperature: float = Field(0.7, ge=0)
     timeout_s: float = Field(120.0, gt=0)
 
-    @model_validator(mode="after")
-    def _known(self) -> "GenerateConfig":
+    @field_validator("families", "held_out")
+    @classmethod
+    def _known(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        if info.data.get("kind") == "llm":
+            return v  # under `llm`, `held_out` names repositories (checked against `sources` when `generate` runs)
         from qevolve.envs.terminal_tasks import FAMILIES
 
-        if self.kind == "llm":
-            if not self.sources:
-                raise ValueError("sources: generate `llm` reads source repositories; set the folder that holds them")
-            return self
-        bad = [f for f in [*self.families, *self.held_out] if f not in FAMILIES]
+        bad = [f for f in v if f not in FAMILIES]
         if bad:
-            raise ValueError(f"families / held_out: unknown task family(ies) {bad}; expected some of {list(FAMILIES)}")
+            raise ValueError(f"unknown task family(ies) {bad}; expected some of {list(FAMILIES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _sources(self) -> "GenerateConfig":
+        if self.kind == "llm" and not self.sources:
+            raise ValueError("sources: generate `llm` reads source repositories; set the folder that holds them")
         return self
 
 
