@@ -110,5 +110,6 @@ def author(cfg, repo: Path, text: str, attempt: int, folder: Path) -> str:
         return "unusable"
     write_task(spec, folder)
     shutil.copytree(repo, folder / "environment", dirs_exist_ok=True, ignore=shutil.ignore_patterns(*SKIP))
-    (folder / "task.toml").write_text((folder / "task.toml").read_text() + f'\n[source]\nrepository = {json.dumps(repo.name)}\ndomain = {json.dumps(spec.extra["domain"])}\n')
+    source = f'\n[source]\nrepository = {json.dumps(repo.name)}\ndomain = {json.dumps(spec.extra["domain"])}\n'
+    (folder / "task.toml").write_text((folder / "task.toml").read_text() + source)
     return ""

@@ -30,15 +30,19 @@ class GenerateConfig(Section):
     test_share: float = Field(0.2, ge=0, lt=1)
     seed: int = 0
     sources: str = ""
-    """`llm`: a folder with one sub-folder per source repository (a DVC dep of `generate`)."""
+    """`llm`: a folder with one sub-folder per source repository (a DVC dep of `generate`); a relative path
+    is relative to the workspace (where params.yaml is)."""
     per_source: int = Field(1, gt=0)
+    """`llm`: tasks asked for per repository."""
     max_source_chars: int = Field(12000, gt=0)
     """`llm`: how much of a repository's text the model reads."""
     url: str = ""
     """`llm`: the base URL of an OpenAI-compatible server (…/v1)."""
     model: str = ""
+    """`llm`: the model name sent to `url`."""
     temperature: float = Field(0.7, ge=0)
     timeout_s: float = Field(120.0, gt=0)
+    """`llm`: how long one answer may take."""
 
     @field_validator("families", "held_out")
     @classmethod
