@@ -169,8 +169,10 @@ def budget(spec: Spec, name: str, out: Path, given: int | None) -> int | None:
     """The env steps workspace `name` is to spend (`match_env_steps`): `given`, or what the matched
     workspace's first seed spent in `out`."""
     ws = spec.workspaces[name]
-    if not ws.match_env_steps or given is not None:
-        return given if ws.match_env_steps else None
+    if not ws.match_env_steps:
+        return None
+    if given is not None:
+        return given
     other, iterations = out / f"{ws.match_env_steps}-s{spec.seeds[0]}", spec.workspaces[ws.match_env_steps].iterations
     if not (other / "metrics" / f"collect@{iterations}.json").exists():
         raise ConfigError(f"workspaces.{name}.match_env_steps: {ws.match_env_steps}'s first seed has not run in {out}; run it first, "
