@@ -35,8 +35,14 @@ setup:
 quickstart: setup
 	PYTHONPATH=. .venv/bin/python -m flows.evolve --workspace $(or $(PROFILE),quickstart) $(if $(PROFILE),--profile $(PROFILE))
 
+# The default tier runs on TEST_WORKERS pytest-xdist processes (one per core by default, each with
+# OMP_NUM_THREADS = cores / workers, at least 1: more threads than cores makes generation tens of times
+# slower). `make test TEST_WORKERS=1` runs it in one process. The slow tier stays in one process: its
+# multi-process trainers, Ray and Prefect servers take the cores themselves.
+TEST_WORKERS ?= $(CORES)
+TEST_THREADS := $(shell echo $$(( $(CORES) / $(TEST_WORKERS) > 0 ? $(CORES) / $(TEST_WORKERS) : 1 )))
 test: setup
-	PYTHONPATH=. .venv/bin/python -m pytest -m "not slow"
+	OMP_NUM_THREADS=$(TEST_THREADS) PYTHONPATH=. .venv/bin/python -m pytest -n $(TEST_WORKERS) -m "not slow"
 
 test-slow: setup
 	PYTHONPATH=. .venv/bin/python -m pytest -m slow
