@@ -235,6 +235,8 @@ def test_the_miniature_spec_validates_and_its_table_counts_successes_by_depth():
     assert params["multi2"]["online"]["seed"] == 201, "the online phase's episodes differ by seed too"
     assert params["multi2"]["high_mode"] == "observed" and every["free"]["multi2"]["high_mode"] == "free"
     assert every["free"]["bc"] == params["bc"] and every["free"]["model"] == params["model"]  # the same SFT, from the run cache
+    assert every["compat"]["multi2"]["repo_compat"] is True and not params["multi2"].get("repo_compat")
+    assert every["compat"]["bc"] == params["bc"] and every["compat"]["collect"] == params["collect"]  # the same SFT and data
     seeds = [{"test/by_type": {"depth2": {"episodes": 4, "won": 3}, "depth3": {"episodes": 2, "won": 0}}, "test/high_tokens_per_episode": 100.0,
               "test/low_tokens_per_episode": 300.0, "test/subtasks_per_episode": 2.0, "test/invalid_rate": 0.1, "test/repeated_rate": 0.0},
              {"test/by_type": {"depth2": {"episodes": 4, "won": 1}, "depth3": {"episodes": 2, "won": 1}}, "test/high_tokens_per_episode": 120.0,
@@ -269,7 +271,7 @@ def test_a_tables_seeds_run_apart_and_their_results_join_into_one_table(tmp_path
     one = only_seeds(spec, [1])
     assert one.seeds == [1] and {n: ws.seeds for n, ws in one.workspaces.items()} == {"flat": 1, "multi2": 1}, "Q-Evolve and free run seed 0 only"
     assert {r.workspace for r in one.rows} == {"flat", "multi2"}
-    assert {n: ws.seeds for n, ws in only_seeds(spec, [0, 2]).workspaces.items()} == {"flat": 2, "qevolve": 1, "multi2": 2, "free": 1}
+    assert {n: ws.seeds for n, ws in only_seeds(spec, [0, 2]).workspaces.items()} == {"flat": 2, "qevolve": 1, "multi2": 2, "free": 1, "compat": 1}
     with pytest.raises(ConfigError, match=r"--seed: \[7\] not among the spec's seeds \[0, 1, 2\]"):
         only_seeds(spec, [7])
     with pytest.raises(ConfigError, match=r"workspaces.multi2.match_env_steps: qevolve's first seed has not run in .*pass --env-steps N"):
