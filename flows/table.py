@@ -182,7 +182,9 @@ def budget(spec: Spec, name: str, out: Path, given: int | None) -> int | None:
 
 def merge(spec: Spec, files: list[Path]) -> tuple[list[dict], list[dict]]:
     """The rows of several results.json files of `spec`'s table (each from `--seed` runs), every row's
-    seeds joined; and per file its commit and wall time. A seed given twice for a row is refused."""
+    seeds joined; and per file its commit and wall time. A seed given twice for a row is kept once where its
+    figures are the same (a stage re-run, as the run cache replays or a run reproduces it) and refused where
+    they differ."""
     rows = {r.name: {"row": r.name, "workspace": r.workspace, "stage": r.stage, "seeds": []} for r in spec.rows}
     sources = []
     for f in files:
@@ -196,10 +198,11 @@ def merge(spec: Spec, files: list[Path]) -> tuple[list[dict], list[dict]]:
         for r in given:
             if r["row"] not in rows:
                 raise ConfigError(f"{f}: rows: row {r['row']!r} is not in {spec.name}'s spec")
-            dup = sorted({s["seed"] for s in rows[r["row"]]["seeds"]} & {s["seed"] for s in r["seeds"]})
-            if dup:
-                raise ConfigError(f"{f}: rows: row {r['row']!r} has seed(s) {dup} that an earlier file gave")
-            rows[r["row"]]["seeds"] += r["seeds"]
+            earlier = {s["seed"]: s for s in rows[r["row"]]["seeds"]}
+            differ = sorted(s["seed"] for s in r["seeds"] if s["seed"] in earlier and s != earlier[s["seed"]])
+            if differ:
+                raise ConfigError(f"{f}: rows: row {r['row']!r} has seed(s) {differ} that an earlier file gave with other figures")
+            rows[r["row"]]["seeds"] += [s for s in r["seeds"] if s["seed"] not in earlier]
         sources.append({"file": str(f), "git_commit": data.get("git_commit"), "wall_s": data.get("wall_s")})
     for r in rows.values():
         r["seeds"].sort(key=lambda s: s["seed"])

@@ -292,12 +292,16 @@ def test_a_tables_seeds_run_apart_and_their_results_join_into_one_table(tmp_path
         files[-1].write_text(json.dumps({"spec": {"name": spec.name}, "rows": rows, "git_commit": f"c{k}", "wall_s": 10.0}))
     rows, sources = merge(spec, files[::-1])
     assert [s["seed"] for s in rows[0]["seeds"]] == [0, 1] and [s["git_commit"] for s in sources] == ["c1", "c0"] and len(rows) == 1
-    with pytest.raises(ConfigError, match=r"s0.json: rows: row 'flat BC' has seed\(s\) \[0\] that an earlier file gave"):
-        merge(spec, [files[0], files[0]])
+    again, _ = merge(spec, [files[0], files[0]])
+    assert again[0]["seeds"] == [seed(0, 1)], "a seed given twice with the same figures is kept once"
+    files.append(tmp_path / "s0-other.json")
+    files[-1].write_text(json.dumps({"spec": {"name": spec.name}, "rows": [{**rows[0], "seeds": [seed(0, 2)]}]}))
+    with pytest.raises(ConfigError, match=r"s0-other.json: rows: row 'flat BC' has seed\(s\) \[0\] that an earlier file gave with other figures"):
+        merge(spec, [files[0], files[2]])
     (tmp_path / "other.json").write_text(json.dumps({"spec": {"name": "smoke"}, "rows": []}))
     with pytest.raises(ConfigError, match=r"other.json: spec.name: results of table 'smoke', expected 'textcraft-multi2'"):
         merge(spec, [tmp_path / "other.json"])
-    assert main([str(REPO / "benchmarks" / "multi2.yaml"), "--merge", *map(str, files), "--out", str(tmp_path / "joined")]) == 0
+    assert main([str(REPO / "benchmarks" / "multi2.yaml"), "--merge", *map(str, files[:2]), "--out", str(tmp_path / "joined")]) == 0
     table = (tmp_path / "joined" / "table.md").read_text()
     assert "| 1 | flat BC | 2 | 50.0 ± 17.7 (4/8) |" in table, "4 of 8 episodes pooled over both seeds"
     assert json.loads((tmp_path / "joined" / "results.json").read_text())["merged_from"][1]["git_commit"] == "c1"
