@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO
 from qevolve.config import ModelConfig
-from qevolve.data.atomic import atomic_dir
+from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import Trajectory, read_store, write_store
 from qevolve.envs import check_tasks
 from qevolve.envs.base import EnvironmentFailures, Task
@@ -61,6 +61,17 @@ def test_a_kill_between_the_two_renames_of_a_folder_swap_loses_nothing(tmp_path)
         assert (art / "weights").read_text() == "v1"  # restored before anything else happens
         (tmp / "weights").write_text("v2")
     assert (art / "weights").read_text() == "v2" and sorted(p.name for p in tmp_path.iterdir()) == ["bc"]
+
+
+def test_json_artifacts_are_standard_json_with_a_rate_of_nothing_as_null(tmp_path):
+    import json
+
+    write_json(tmp_path / "m.json", {"precision": float("nan"), "rates": [0.5, float("inf")], "n": 0})
+
+    def refuse(token):
+        raise ValueError(f"not standard JSON: {token}")
+
+    assert json.loads((tmp_path / "m.json").read_text(), parse_constant=refuse) == {"precision": None, "rates": [0.5, None], "n": 0}
 
 
 def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tiny_base, tmp_path):

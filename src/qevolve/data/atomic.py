@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -77,7 +78,19 @@ def _disk_full_names(path: Path) -> Iterator[None]:
                                     "free some space and run again") from err
 
 
+def _finite(obj):
+    """`obj` with every NaN or infinite float as None: a rate of nothing (0/0) is null in standard JSON,
+    which Python's `NaN` is not (jq, JavaScript and strict parsers refuse it)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def write_json(path: Path | str, obj) -> None:
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        tmp.write_text(json.dumps(_finite(obj), indent=2, sort_keys=True, allow_nan=False) + "\n")
 
