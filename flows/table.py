@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -203,7 +205,7 @@ def merge(spec: Spec, files: list[Path]) -> tuple[list[dict], list[dict]]:
             if differ:
                 raise ConfigError(f"{f}: rows: row {r['row']!r} has seed(s) {differ} that an earlier file gave with other figures")
             rows[r["row"]]["seeds"] += [s for s in r["seeds"] if s["seed"] not in earlier]
-        sources.append({"file": str(f), "git_commit": data.get("git_commit"), "wall_s": data.get("wall_s")})
+        sources.append({"file": str(f), "git_commit": data.get("git_commit"), "wall_s": data.get("wall_s"), "packages_sha256": data.get("packages_sha256")})
     for r in rows.values():
         r["seeds"].sort(key=lambda s: s["seed"])
     return [r for r in rows.values() if r["seeds"]], sources
@@ -429,6 +431,19 @@ def git_commit() -> str:
     return head + ("-dirty" if dirty else "") if head else "unknown"
 
 
+def packages() -> list[str]:
+    """The interpreter's version and every installed distribution as `name==version`, sorted: what a run
+    was computed with besides the code (two checkouts of one commit can resolve other versions)."""
+    from importlib.metadata import distributions
+
+    found = {f"{d.metadata['Name']}=={d.version}" for d in distributions() if d.metadata["Name"]}
+    return [f"python=={platform.python_version()}", *sorted(found, key=str.lower)]
+
+
+def packages_sha256(listing: list[str]) -> str:
+    return hashlib.sha256("\n".join(listing).encode()).hexdigest()
+
+
 def log_table(spec: Spec, results: list[dict], wall_s: float, images: list[Path], commit: str) -> str:
     """One MLflow parent run for the table, one child per row and seed; returns the parent's id."""
     import mlflow
@@ -436,8 +451,10 @@ def log_table(spec: Spec, results: list[dict], wall_s: float, images: list[Path]
     from flows.tracking import use_experiment
 
     use_experiment(f"table-{spec.name}")
-    with mlflow.start_run(run_name=f"table-{spec.name}", tags={"qevolve.git_commit": commit}) as parent:
+    listing = packages()
+    with mlflow.start_run(run_name=f"table-{spec.name}", tags={"qevolve.git_commit": commit, "qevolve.packages_sha256": packages_sha256(listing)}) as parent:
         mlflow.log_metric("wall_s", wall_s)
+        mlflow.log_text("\n".join(listing) + "\n", "environment/packages.txt")
         mlflow.log_text(markdown(results, spec.by_type, spec.splits()), "table.md")
         for image in images:
             mlflow.log_artifact(str(image))
@@ -494,8 +511,9 @@ def table(spec_path: str, out: str | None = None, seeds: int | None = None, only
     images = render_plots(out_dir)
     run_id = log_table(spec, results, wall, images, commit)
     text = markdown(results, spec.by_type, spec.splits())
+    listing = packages()
     write_json(out_dir / "results.json", {"spec": spec.model_dump(), "rows": results, "wall_s": wall, "git_commit": commit, "mlflow_parent_run_id": run_id,
-                                          "env_steps_budget": budgets})
+                                          "env_steps_budget": budgets, "packages_sha256": packages_sha256(listing), "packages": listing})
     with atomic_path(out_dir / "table.md") as tmp:
         tmp.write_text(text)
     return {"out": str(out_dir), "mlflow_parent_run_id": run_id, "wall_s": wall, "table": text, "images": [str(p) for p in images], "git_commit": commit}

@@ -57,13 +57,17 @@ def evolution_identity(params: Params) -> dict:
     return identity
 
 
-def attempt_tags() -> dict[str, str]:
-    """The code's git commit and the Prefect flow run of this attempt (the latest attempt's, on a resumed run)."""
+def log_attempt() -> None:
+    """Tags the active run with this attempt's code commit, installed packages' digest and Prefect flow run (the
+    latest attempt's, on a resumed run), and logs the package listing as `environment/packages.txt`."""
     from prefect.runtime import flow_run
 
-    from flows.table import git_commit
+    from flows.table import git_commit, packages, packages_sha256
 
-    return {"qevolve.git_commit": git_commit(), "qevolve.prefect_flow_run": str(flow_run.id or "")}
+    listing = packages()
+    mlflow.set_tags({"qevolve.git_commit": git_commit(), "qevolve.packages_sha256": packages_sha256(listing),
+                     "qevolve.prefect_flow_run": str(flow_run.id or "")})
+    mlflow.log_text("\n".join(listing) + "\n", "environment/packages.txt")
 
 
 def start_evolution(params: Params, run_name: str):
@@ -86,7 +90,8 @@ def start_evolution(params: Params, run_name: str):
             run_id = None
     if run_id is None:
         run = mlflow.start_run(run_name=run_name, tags={"qevolve.attempts": "1", "qevolve.iterations": str(params.evolve.iterations),
-                                                        "qevolve.method": params.method, **attempt_tags()})
+                                                        "qevolve.method": params.method})
+        log_attempt()
         # Every parameter but the iteration count, which a continued evolution raises (a tag, updated).
         mlflow.log_params({k: str(v)[:500] for k, v in flatten(params.model_dump()).items() if k != "evolve.iterations"})
         write_json(EVOLUTION_FILE, {"run_id": run.info.run_id, "fingerprint": fingerprint})
@@ -97,7 +102,8 @@ def start_evolution(params: Params, run_name: str):
     killed = int(old.data.tags.get("qevolve.killed_attempts", "0")) + (old.info.status == "RUNNING")
     run = mlflow.start_run(run_id=run_id)
     mlflow.set_tags({"qevolve.attempts": str(int(old.data.tags.get("qevolve.attempts", "1")) + 1), "qevolve.killed_attempts": str(killed),
-                     "qevolve.iterations": str(params.evolve.iterations), **attempt_tags()})
+                     "qevolve.iterations": str(params.evolve.iterations)})
+    log_attempt()
     return run
 
 

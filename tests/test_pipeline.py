@@ -1,5 +1,6 @@
 """The flow, dvc.yaml and MLflow agree; one end-to-end run of the flow on a tiny subset."""
 
+import hashlib
 import os
 import shutil
 import signal
@@ -208,6 +209,9 @@ def test_flow_end_to_end_resumes_after_kill_and_leaves_dvc_clean(tmp_path, alfwo
     [parent] = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert parent.info.status == "FINISHED"
     assert (parent.data.tags["qevolve.attempts"], parent.data.tags["qevolve.killed_attempts"]) == ("4", "2")
+    listing = mlflow.artifacts.load_text(f"{parent.info.artifact_uri}/environment/packages.txt").splitlines()
+    assert listing[0].startswith("python==3.") and any(p.startswith("torch==") for p in listing)
+    assert parent.data.tags["qevolve.packages_sha256"] == hashlib.sha256("\n".join(listing).encode()).hexdigest()
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert sorted(r.info.status for r in children) == ["FINISHED", "KILLED", "KILLED"]
     child = next(r for r in children if r.info.status == "FINISHED")
