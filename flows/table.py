@@ -182,11 +182,12 @@ def budget(spec: Spec, name: str, out: Path, given: int | None) -> int | None:
     return spent_env_steps(other, iterations)
 
 
-def merge(spec: Spec, files: list[Path]) -> tuple[list[dict], list[dict]]:
+def merge(spec: Spec, files: list[Path], replace: bool = False) -> tuple[list[dict], list[dict]]:
     """The rows of several results.json files of `spec`'s table (each from `--seed` runs), every row's
     seeds joined; and per file its commit and wall time. A seed given twice for a row is kept once where its
-    figures are the same (a stage re-run, as the run cache replays or a run reproduces it) and refused where
-    they differ."""
+    figures are the same (a stage re-run, as the run cache replays or a run reproduces it); where they differ
+    it is refused, or with `replace` the later file's figures replace the earlier's, listed in that file's
+    `replaced`."""
     rows = {r.name: {"row": r.name, "workspace": r.workspace, "stage": r.stage, "seeds": []} for r in spec.rows}
     sources = []
     for f in files:
@@ -197,15 +198,20 @@ def merge(spec: Spec, files: list[Path]) -> tuple[list[dict], list[dict]]:
             raise ConfigError(f"{f}: not a table's results.json ({type(err).__name__}: {err})") from None
         if name != spec.name:
             raise ConfigError(f"{f}: spec.name: results of table {name!r}, expected {spec.name!r}")
+        replaced = []
         for r in given:
             if r["row"] not in rows:
                 raise ConfigError(f"{f}: rows: row {r['row']!r} is not in {spec.name}'s spec")
             earlier = {s["seed"]: s for s in rows[r["row"]]["seeds"]}
             differ = sorted(s["seed"] for s in r["seeds"] if s["seed"] in earlier and s != earlier[s["seed"]])
-            if differ:
-                raise ConfigError(f"{f}: rows: row {r['row']!r} has seed(s) {differ} that an earlier file gave with other figures")
-            rows[r["row"]]["seeds"] += [s for s in r["seeds"] if s["seed"] not in earlier]
-        sources.append({"file": str(f), "git_commit": data.get("git_commit"), "wall_s": data.get("wall_s"), "packages_sha256": data.get("packages_sha256")})
+            if differ and not replace:
+                raise ConfigError(f"{f}: rows: row {r['row']!r} has seed(s) {differ} that an earlier file gave with other figures "
+                                  "(--replace: keep this file's)")
+            replaced += [{"row": r["row"], "seed": k} for k in differ]
+            rows[r["row"]]["seeds"] = [s for s in rows[r["row"]]["seeds"] if s["seed"] not in differ]
+            rows[r["row"]]["seeds"] += [s for s in r["seeds"] if s["seed"] not in earlier or s["seed"] in differ]
+        sources.append({"file": str(f), "git_commit": data.get("git_commit"), "wall_s": data.get("wall_s"), "packages_sha256": data.get("packages_sha256"),
+                        **({"replaced": replaced} if replaced else {})})
     for r in rows.values():
         r["seeds"].sort(key=lambda s: s["seed"])
     return [r for r in rows.values() if r["seeds"]], sources
@@ -519,11 +525,11 @@ def table(spec_path: str, out: str | None = None, seeds: int | None = None, only
     return {"out": str(out_dir), "mlflow_parent_run_id": run_id, "wall_s": wall, "table": text, "images": [str(p) for p in images], "git_commit": commit}
 
 
-def write_merged(spec_path: str, files: list[str], out: str | None = None) -> dict:
+def write_merged(spec_path: str, files: list[str], out: str | None = None, replace: bool = False) -> dict:
     """`merge` of the results files into `<out>/table.md` and `<out>/results.json` (no runs, no plots:
     those stay with each run's own folder and MLflow database)."""
     spec = load_spec(Path(spec_path))
-    results, sources = merge(spec, [Path(f) for f in files])
+    results, sources = merge(spec, [Path(f) for f in files], replace)
     out_dir = Path(out or ROOT / "runs" / spec.name).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     text = markdown(results, spec.by_type, spec.splits())
@@ -541,13 +547,17 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--seeds", type=int, help="run only the spec's first N seeds")
     which.add_argument("--seed", type=int, action="append", help="run only this seed of the spec (repeatable); join the runs with --merge")
     which.add_argument("--merge", nargs="+", metavar="RESULTS", help="run nothing: join these results.json files of the spec's table into one table")
+    parser.add_argument("--replace", action="store_true", help="with --merge: a later file's seed with other figures replaces the earlier file's")
     parser.add_argument("--workspace", action="append", help="run only this workspace of the spec (repeatable), with its rows")
     parser.add_argument("--env-steps", type=int, help="the budget of the match_env_steps workspaces when the workspace they match does not run here")
     args = parser.parse_args(argv)
     try:
         if args.merge:
-            result = write_merged(args.spec, args.merge, args.out)
+            result = write_merged(args.spec, args.merge, args.out, args.replace)
             print(result["table"])
+            for s in result["sources"]:
+                for r in s.get("replaced", []):
+                    print(f"{s['file']}: replaced seed {r['seed']} of row {r['row']!r} that an earlier file gave with other figures")
             print("joined " + ", ".join(f"{s['file']} (commit {s['git_commit']})" for s in result["sources"]) + f" into {result['out']}")
             return 0
         result = table(args.spec, args.out, args.seeds, args.seed, args.env_steps, args.workspace)

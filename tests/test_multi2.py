@@ -298,6 +298,8 @@ def test_a_tables_seeds_run_apart_and_their_results_join_into_one_table(tmp_path
     files[-1].write_text(json.dumps({"spec": {"name": spec.name}, "rows": [{**rows[0], "seeds": [seed(0, 2)]}]}))
     with pytest.raises(ConfigError, match=r"s0-other.json: rows: row 'flat BC' has seed\(s\) \[0\] that an earlier file gave with other figures"):
         merge(spec, [files[0], files[2]])
+    kept, sources = merge(spec, [files[0], files[2]], replace=True)
+    assert kept[0]["seeds"] == [seed(0, 2)] and sources[1]["replaced"] == [{"row": "flat BC", "seed": 0}] and "replaced" not in sources[0]
     (tmp_path / "other.json").write_text(json.dumps({"spec": {"name": "smoke"}, "rows": []}))
     with pytest.raises(ConfigError, match=r"other.json: spec.name: results of table 'smoke', expected 'textcraft-multi2'"):
         merge(spec, [tmp_path / "other.json"])
