@@ -450,14 +450,13 @@ def packages_sha256(listing: list[str]) -> str:
     return hashlib.sha256("\n".join(listing).encode()).hexdigest()
 
 
-def log_table(spec: Spec, results: list[dict], wall_s: float, images: list[Path], commit: str) -> str:
+def log_table(spec: Spec, results: list[dict], wall_s: float, images: list[Path], commit: str, listing: list[str]) -> str:
     """One MLflow parent run for the table, one child per row and seed; returns the parent's id."""
     import mlflow
 
     from flows.tracking import use_experiment
 
     use_experiment(f"table-{spec.name}")
-    listing = packages()
     with mlflow.start_run(run_name=f"table-{spec.name}", tags={"qevolve.git_commit": commit, "qevolve.packages_sha256": packages_sha256(listing)}) as parent:
         mlflow.log_metric("wall_s", wall_s)
         mlflow.log_text("\n".join(listing) + "\n", "environment/packages.txt")
@@ -515,9 +514,9 @@ def table(spec_path: str, out: str | None = None, seeds: int | None = None, only
     wall = time.perf_counter() - start
     write_curves(spec, out_dir)
     images = render_plots(out_dir)
-    run_id = log_table(spec, results, wall, images, commit)
-    text = markdown(results, spec.by_type, spec.splits())
     listing = packages()
+    run_id = log_table(spec, results, wall, images, commit, listing)
+    text = markdown(results, spec.by_type, spec.splits())
     write_json(out_dir / "results.json", {"spec": spec.model_dump(), "rows": results, "wall_s": wall, "git_commit": commit, "mlflow_parent_run_id": run_id,
                                           "env_steps_budget": budgets, "packages_sha256": packages_sha256(listing), "packages": listing})
     with atomic_path(out_dir / "table.md") as tmp:
@@ -551,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workspace", action="append", help="run only this workspace of the spec (repeatable), with its rows")
     parser.add_argument("--env-steps", type=int, help="the budget of the match_env_steps workspaces when the workspace they match does not run here")
     args = parser.parse_args(argv)
+    if args.replace and not args.merge:
+        parser.error("--replace: only with --merge")
     try:
         if args.merge:
             result = write_merged(args.spec, args.merge, args.out, args.replace)
