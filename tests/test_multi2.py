@@ -254,11 +254,11 @@ def test_the_ablation_spec_trains_each_role_choice_and_the_kl_anchor_on_the_mini
     every = {name: workspace_params(spec, name, spec.seeds[ws.seeds - 1], None) for name, ws in spec.workspaces.items()}
     assert {n: tuple(parse_params(p).multi2.rl_roles) for n, p in every.items()} == {
         "system2": ("low",), "swapped": ("high",), "both": ("high", "low"), "kl": ("low",), "no-kl": ("low",)}
-    assert (every["kl"]["multi2"]["online"]["eta"], every["no-kl"]["multi2"]["online"]["eta"]) == (0.02, 0.0)
-    mini = workspace_params(load_spec(REPO / "benchmarks" / "multi2.yaml"), "multi2", 0, 942)
-    same = workspace_params(spec, "kl", 0, None)
-    assert {k: v for k, v in parse_params(same).model_dump().items() if k != "evolve"} == {
-        k: v for k, v in parse_params(mini).model_dump().items() if k != "evolve"}, "the miniature's Multi² row, its budget measured"
+    assert (parse_params(every["kl"]).multi2.online.eta, parse_params(every["no-kl"]).multi2.online.eta) == (0.02, 0.0)
+    # The KL row is the miniature's Multi² row at its measured budget, to the params.yaml DVC reads, so run in
+    # that table's folder its stages come from DVC's run cache.
+    for seed in spec.seeds[:3]:
+        assert workspace_params(spec, "kl", seed, None) == workspace_params(load_spec(REPO / "benchmarks" / "multi2.yaml"), "multi2", seed, 942)
 
 
 def test_a_tables_seeds_run_apart_and_their_results_join_into_one_table(tmp_path):
