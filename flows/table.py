@@ -210,8 +210,10 @@ def merge(spec: Spec, files: list[Path], replace: bool = False) -> tuple[list[di
             replaced += [{"row": r["row"], "seed": k} for k in differ]
             rows[r["row"]]["seeds"] = [s for s in rows[r["row"]]["seeds"] if s["seed"] not in differ]
             rows[r["row"]]["seeds"] += [s for s in r["seeds"] if s["seed"] not in earlier or s["seed"] in differ]
-        sources.append({"file": str(f), "git_commit": data.get("git_commit"), "wall_s": data.get("wall_s"), "packages_sha256": data.get("packages_sha256"),
-                        **({"replaced": replaced} if replaced else {})})
+        # A joined table's own sources are kept under it, so joining it again loses none of its runs' commits.
+        own = {"merged_from": data["merged_from"]} if "merged_from" in data else {
+            "git_commit": data.get("git_commit"), "wall_s": data.get("wall_s"), "packages_sha256": data.get("packages_sha256")}
+        sources.append({"file": str(f), **own, **({"replaced": replaced} if replaced else {})})
     for r in rows.values():
         r["seeds"].sort(key=lambda s: s["seed"])
     return [r for r in rows.values() if r["seeds"]], sources
@@ -559,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
             for s in result["sources"]:
                 for r in s.get("replaced", []):
                     print(f"{s['file']}: replaced seed {r['seed']} of row {r['row']!r} that an earlier file gave with other figures")
-            print("joined " + ", ".join(f"{s['file']} (commit {s['git_commit']})" for s in result["sources"]) + f" into {result['out']}")
+            print("joined " + ", ".join(f"{s['file']} ({'a joined table' if 'merged_from' in s else 'commit ' + str(s['git_commit'])})"
+                                        for s in result["sources"]) + f" into {result['out']}")
             return 0
         result = table(args.spec, args.out, args.seeds, args.seed, args.env_steps, args.workspace)
     except ConfigError as err:

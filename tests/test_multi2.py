@@ -307,6 +307,8 @@ def test_a_tables_seeds_run_apart_and_their_results_join_into_one_table(tmp_path
     table = (tmp_path / "joined" / "table.md").read_text()
     assert "| 1 | flat BC | 2 | 50.0 ± 17.7 (4/8) |" in table, "4 of 8 episodes pooled over both seeds"
     assert json.loads((tmp_path / "joined" / "results.json").read_text())["merged_from"][1]["git_commit"] == "c1"
+    _, sources = merge(spec, [tmp_path / "joined" / "results.json", files[0]])
+    assert [s["git_commit"] for s in sources[0]["merged_from"]] == ["c0", "c1"] and "git_commit" not in sources[0], "a joined table's runs are kept"
 
 
 def test_the_swapped_roles_ablation_trains_system_1_and_leaves_system_2_as_cloned(tmp_path, monkeypatch):
