@@ -260,6 +260,10 @@ def test_the_ablation_spec_trains_each_role_choice_and_the_kl_anchor_on_the_mini
     mini = load_spec(REPO / "benchmarks" / "multi2.yaml")
     for seed in mini.seeds:
         assert workspace_params(spec, "kl", seed, None) == workspace_params(mini, "multi2", seed, 942)
+    # The role rows' seed is one the miniature ran, and System 2's RL row is its offline one (one iteration).
+    seed = spec.seeds[0]
+    assert seed in mini.seeds
+    assert workspace_params(spec, "system2", seed, None) == {**workspace_params(mini, "multi2", seed, 942), "evolve": {"iterations": 1}}
 
 
 def test_a_tables_seeds_run_apart_and_their_results_join_into_one_table(tmp_path):
