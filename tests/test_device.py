@@ -89,3 +89,38 @@ def test_cuda_gives_the_cpus_first_training_loss(tiny_base):
         ex = PromptBuilder(tok, 512).training_examples("find a key.", ["You are in the middle of a room."], ["Action: look"])
         losses.append(bc_step(model, [ex], tok.pad_token_id)["loss"])
     assert losses[0] == pytest.approx(losses[1], abs=1e-4)
+
+
+def test_no_model_ever_runs_hub_kernels(tiny_base, tmp_path, monkeypatch):
+    """transformers 5.25 turns Hub kernels on by default and `model.train()` then downloads and runs kernel code
+    (offline it raises): every model the project loads, in every role, switches modes without `kernelize`."""
+    import torch.distributed as dist
+    import transformers.modeling_utils
+    from torch.distributed.fsdp import fully_shard
+
+    from qevolve.models.critic import Critic, load_critic
+    from qevolve.models.policy import load_policy
+
+    calls = []
+    monkeypatch.setattr(transformers.modeling_utils, "kernelize", lambda model, **kw: calls.append(type(model).__name__))
+    cfg = ModelConfig(lora={"r": 4, "alpha": 8})
+    policy, _ = load_policy(tiny_base, cfg)  # fresh adapter, trainable (bc, policy@k)
+    policy.save_pretrained(tmp_path / "adapter")
+    Critic(policy).save(tmp_path / "critic")
+    models = {
+        "trainable": policy,
+        "merged": load_policy(tiny_base, cfg, adapter=tmp_path / "adapter")[0],  # rollouts, reference
+        "reloaded": load_policy(tiny_base, cfg, adapter=tmp_path / "adapter", trainable=True)[0],
+        "roles": load_policy(tiny_base, cfg, names=("high", "low"))[0],  # the hierarchies' two adapters
+        "critic": load_critic(tiny_base, cfg, tmp_path / "critic", trainable=True)[0],
+    }
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        models["sharded"] = fully_shard(load_policy(tiny_base, cfg)[0])
+        for model in models.values():
+            model.train()
+            model.eval()
+            model.train()
+    finally:
+        dist.destroy_process_group()
+    assert calls == []

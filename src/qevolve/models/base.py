@@ -157,7 +157,7 @@ def converted_gguf(base: str, digest: str) -> Path:
                              "rerun the `base` stage (`dvc repro base`)")
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, use_kernels=False)
     except (OSError, ValueError, ImportError) as err:
         raise ModelLoadError(f"model.base: cannot read GGUF file {gguf}: {err}") from None
     model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
@@ -209,7 +209,9 @@ def load_base(base_dir: Path | str, dtype: str = "auto", device: str = "auto"):
     where = resolve_device(device)
     try:
         tok = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, where))
+        # No Hub kernels: transformers 5.25 turns them on by default, and `model.train()` then fetches and runs
+        # unpinned kernel code from the Hub (offline, it raises). Off at load, nothing turns them on again.
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, where), use_kernels=False)
     except OSError as err:
         raise ModelLoadError(f"model.base: cannot load {source!r}: {err}") from None
     rows = model.get_input_embeddings().num_embeddings
