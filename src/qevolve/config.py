@@ -266,10 +266,18 @@ class PolicyConfig(TrainConfig):
     """Sampling temperature when collecting (evaluation is greedy)."""
     max_new_tokens: int = Field(32, gt=0)
     backend: Literal["hf", "vllm"] = "hf"
-    """What runs the policy's passes in rollouts (`collect@k`, `evaluate@k`): `hf`, transformers in the stage's
-    process (`qevolve.models.backend.HFBackend`), or `vllm` (GPU machines, the `vllm` extra; generation in
-    `free` mode on vLLM, admissible scoring still on `hf`; needs `model.lora.train_embeddings: false`). Not
-    part of a stage's lineage, like `model.device`."""
+    """What runs the policy's passes in rollouts (`collect@k`, `evaluate@k`): `hf`, the model's own modules in
+    the stage's process (`qevolve.models.engine.SlotEngine`, each slot's keys and values resident in one
+    buffer; `HFBackend` for model types it does not run), or `vllm` (GPU machines, the `vllm` extra;
+    generation in `free` mode on vLLM, admissible scoring still on `hf`; needs
+    `model.lora.train_embeddings: false`). Not part of a stage's lineage, like `model.device`."""
+    compile: bool = False
+    """Compile `SlotEngine`'s decode step once per stage with `torch.compile` (on a GPU as a CUDA graph,
+    `mode="reduce-overhead"`): a step then costs one launch instead of hundreds. Compiling takes tens of
+    seconds, so it pays on long rollouts on a GPU. Not part of a stage's lineage."""
+    gpu_memory: float = Field(0.5, gt=0, le=1)
+    """With `backend: vllm`, the share of the GPU's memory vLLM's engine may take (its weights, activations
+    and KV cache; vLLM's `gpu_memory_utilization`). Not part of a stage's lineage."""
     replicas: int = Field(0, ge=0)
     """Policy replicas as Ray actors serving `collect@k` and `evaluate@k` (`qevolve.models.ray_policy`), each
     with its own copy of the policy on `backend`; episode slot s goes to replica s % replicas. 0: the stage's
@@ -441,7 +449,8 @@ Params = create_model("Params", __base__=CommonParams, __doc__="params.yaml: the
                       **{name: (cls, cls()) for name, cls in method_sections().items()})
 
 
-EXECUTION_PATHS = ("model.device", "train", "env.worker", "env.ray_cpus", "policy.backend", "policy.replicas", "policy.replica_cpus")
+EXECUTION_PATHS = ("model.device", "train", "env.worker", "env.ray_cpus", "policy.backend", "policy.compile", "policy.gpu_memory",
+                   "policy.replicas", "policy.replica_cpus")
 """Where and how a stage computes, not what: left out of DVC's params and of the evolution's identity."""
 
 

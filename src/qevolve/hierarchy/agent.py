@@ -3,7 +3,7 @@
 Each round, for the batch of running episodes: the high role picks a subtask for the episodes that have
 none (at the start, after a subtask ended), the low role picks every episode's action and whether it
 ends the subtask, the environments step, and the progress role rewrites each episode's local progress.
-Each role's calls are batched across episodes and keep their own KV cache per slot (`HFBackend`). What
+Each role's calls are batched across episodes and keep their own KV cache per slot (`rollout_engine`). What
 the agent decided per step is kept as `Label`s (`labels[trajectory_id]`), so its episodes become the same
 three transition sets as annotated expert data (`qevolve.hierarchy.roles.transitions`), and the tokens
 each role read and wrote per episode in `role_tokens[trajectory_id]`.
@@ -17,7 +17,8 @@ import torch
 
 from qevolve.hierarchy.annotators import NONE, Label, observed_subtasks
 from qevolve.hierarchy.roles import ROLES, RolePrompts, low_output, parse_low
-from qevolve.models.backend import HFBackend, seeds_from
+from qevolve.models.backend import RolloutBackend, seeds_from
+from qevolve.models.engine import rollout_engine
 from qevolve.models.policy import Decision
 from qevolve.models.prompt import PromptBuilder
 
@@ -50,7 +51,7 @@ class HierarchicalAgent:
         self.mode, self.high_mode, self.subtasks = mode, high_mode, subtasks
         self.temperature, self.max_new_tokens, self.progress_tokens = temperature, max_new_tokens, progress_tokens
         self.max_subtask_steps, self.activate = max_subtask_steps, activate
-        self.backends = {role: HFBackend(models[role].eval(), tokenizer.pad_token_id) for role in ROLES}
+        self.backends = {role: rollout_engine(models[role].eval(), tokenizer.pad_token_id) for role in ROLES}
         self.backend = self.backends["low"]
         self._stop = RoleStop(tokenizer, builder.end_ids or [tokenizer.eos_token_id])
         self.labels: dict[str, list[Label]] = {}
@@ -67,7 +68,7 @@ class HierarchicalAgent:
         tokens[role] += prompt + output
         calls[role] += 1
 
-    def _backend(self, role: str) -> HFBackend:
+    def _backend(self, role: str) -> RolloutBackend:
         if self.activate is not None:
             self.activate(role)
         return self.backends[role]

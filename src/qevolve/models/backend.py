@@ -190,36 +190,80 @@ class HFBackend:
         self, slots: list[int], prompts: list[list[int]], *, max_new_tokens: int, stop: StopRule,
         greedy: bool, temperature: float, seeds: list[int] | None = None,
     ) -> list[tuple[list[int], float]]:
-        generators = None if greedy else [torch.Generator().manual_seed(seed) for seed in seeds]
         hidden, layout, cache, valid = self._forward(slots, prompts, [[] for _ in prompts])
-        B = len(prompts)
         last = self.head(torch.stack([hidden[b, s - 1] for b, (s, _) in enumerate(layout)]))  # (B, V)
         pos = torch.tensor([len(p) for p in prompts], device=self.device)
-        tokens: list[list[int]] = [[] for _ in range(B)]
-        logps = [0.0] * B
-        running = [True] * B
-        for _ in range(max_new_tokens):
-            logp = torch.log_softmax(last.float() / (1.0 if greedy else temperature), dim=-1)
-            # Sampled on the CPU, each row from its own generator: the same draws on any device and in any batch.
-            if greedy:
-                nxt = logp.argmax(-1)
-            else:
-                probs = logp.exp().cpu()
-                nxt = torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])
-            chosen = logp.gather(-1, nxt.to(self.device)[:, None])[:, 0].tolist()
-            nxt_list = nxt.tolist()
-            for b in range(B):
-                if running[b]:
-                    tokens[b].append(nxt_list[b])
-                    logps[b] += chosen[b]
-                    running[b] = not stop(tokens[b])
-            if not any(running):
-                break
+
+        def feed(nxt: torch.Tensor, running: list[bool]) -> torch.Tensor:
+            nonlocal valid, pos
             valid = torch.cat([valid, torch.tensor(running, device=self.device)[:, None]], dim=-1)
             mask = valid[:, None, None, :] | (torch.arange(valid.shape[1], device=self.device) == valid.shape[1] - 1)  # (B, 1, 1, L)
-            nxt = nxt.to(self.device)
             out = self.body(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None], cache=cache, use_cache=True)
             self.encoded_tokens += sum(running)
             pos = pos + 1
-            last = self.head(out.last_hidden_state[:, -1])
-        return list(zip(tokens, logps))
+            return self.head(out.last_hidden_state[:, -1])
+
+        return decode(last, feed, max_new_tokens=max_new_tokens, stop=stop, greedy=greedy, temperature=temperature, seeds=seeds)
+
+
+def decode(last: torch.Tensor, feed, *, max_new_tokens: int, stop: StopRule, greedy: bool, temperature: float,
+           seeds: list[int] | None) -> list[tuple[list[int], float]]:
+    """The token loop every local backend shares: draw from `last` (B, V), check each row's stop rule, and
+    `feed(tokens (B,), running)` the draws back for the next logits, until every row stopped or
+    `max_new_tokens` were drawn. Rows that stopped are still fed (their draws are dropped), so the batch keeps
+    its shape for the whole turn. (new tokens, summed log-prob) per row."""
+    B = last.shape[0]
+    seed_t = None if greedy else torch.tensor(seeds, dtype=torch.long, device=last.device)
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    logps = [0.0] * B
+    running = [True] * B
+    for step in range(max_new_tokens):
+        nxt, chosen = draw(last, greedy, temperature, seed_t, step)
+        nxt_list, chosen = nxt.tolist(), chosen.tolist()
+        for b in range(B):
+            if running[b]:
+                tokens[b].append(nxt_list[b])
+                logps[b] += chosen[b]
+                running[b] = not stop(tokens[b])
+        if not any(running) or step + 1 == max_new_tokens:
+            break
+        last = feed(nxt, running)
+    return list(zip(tokens, logps))
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) of int64 tensors, exact on every device: the
+    multipliers are below 2**31, so no product of two 32-bit values leaves int64."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _M32
+    return x ^ (x >> 16)
+
+
+def uniforms(seeds: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
+    """One uniform draw in (0, 1) per seed for decoding step `step`: a counter-based stream, a function of
+    (seed, step) alone, so a row draws the same whatever it is batched with and on whatever device, and
+    nothing is drawn on the host or synchronised for it."""
+    h = _mix(_mix(seeds) ^ (seeds >> 32))
+    h = _mix(h + step * 0x9E3779B1)
+    return ((h >> 8).to(torch.float64) + 0.5) / 2**24
+
+
+def draw(logits: torch.Tensor, greedy: bool, temperature: float, seeds: torch.Tensor | None, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, its log-prob) per row of `logits` (B, V): the argmax when `greedy`, else a draw from the
+    softmax at `temperature` by inverse transform sampling with `uniforms(seeds, step)`. The log-prob is
+    the sampling distribution's (after the temperature)."""
+    logp = torch.log_softmax(logits.float() / (1.0 if greedy else temperature), dim=-1)
+    if greedy:
+        nxt = logp.argmax(-1)
+    else:
+        cdf = logp.exp().cumsum(-1)
+        # u * total < total: the first position whose cumulative mass exceeds it is a token of mass > 0
+        at = (uniforms(seeds, step).to(cdf.dtype)[:, None] * cdf[:, -1:]).contiguous()
+        nxt = torch.searchsorted(cdf, at, right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)
+    return nxt, logp.gather(-1, nxt[:, None])[:, 0]

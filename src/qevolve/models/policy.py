@@ -1,12 +1,12 @@
 """The policy: base causal LM + LoRA adapter, and the two ways it acts.
 
-- `admissible`: every valid action is scored by its log-likelihood as the next assistant turn, all
-  candidates of all episodes in one forward pass (`HFBackend.score`).
+- `admissible`: every valid action is scored by its log-likelihood as the next assistant turn, the
+  candidates of the episodes batched into forward passes (`RolloutBackend.score`).
 - `free`: batched generation of the assistant turn, stopped at the end of its `Action:` line and
-  parsed afterwards (`HFBackend.generate`).
+  parsed afterwards (`RolloutBackend.generate`).
 
-Both go through a `RolloutBackend` (`qevolve.models.backend`), which keeps each episode's KV cache
-across turns.
+Both go through a `RolloutBackend` (`qevolve.models.backend`; `qevolve.models.engine.SlotEngine` by
+default), which keeps each episode's KV cache across turns.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 
 from qevolve.config import ModelConfig
 from qevolve.errors import artifact
-from qevolve.models.backend import HFBackend, RolloutBackend, seeds_from
+from qevolve.models.backend import RolloutBackend, seeds_from
+from qevolve.models.engine import rollout_engine
 from qevolve.models.base import load_base
 from qevolve.models.prompt import PromptBuilder, format_action, parse_action
 
@@ -112,14 +113,21 @@ def rollout_backend(params, base_dir: Path, policy_dir: Path) -> tuple[RolloutBa
 
 
 def local_backend(params, base_dir: Path, policy_dir: Path, model, tokenizer) -> RolloutBackend:
-    """`policy.backend` in this process: `HFBackend` on the loaded policy `model`, or vLLM with the adapter at
-    `policy_dir` (scoring, in admissible mode, on `HFBackend`)."""
-    hf = HFBackend(model.eval(), tokenizer.pad_token_id)
+    """`policy.backend` in this process: `rollout_engine` on the loaded policy `model`, or vLLM with the adapter
+    at `policy_dir` (scoring, in admissible mode, on `rollout_engine`)."""
+    hf = rollout_engine(model.eval(), tokenizer.pad_token_id, compile=compile_options(params, model))
     if params.policy.backend == "hf":
         return hf
     from qevolve.models.vllm_backend import vllm_backend
 
     return vllm_backend(base_dir, policy_dir, params.model, hf if params.policy.action_mode == "admissible" else None)
+
+
+def compile_options(params, model) -> dict | None:
+    """`torch.compile`'s options for the decode step when `policy.compile` is set: CUDA graphs on a GPU."""
+    if not params.policy.compile:
+        return None
+    return {"mode": "reduce-overhead"} if next(model.parameters()).device.type == "cuda" else {}
 
 
 class ActionLineStop:
@@ -157,7 +165,7 @@ class Actor:
                  backend: RolloutBackend | None = None):
         self.tok, self.builder = tokenizer, builder
         self.mode, self.temperature, self.max_new_tokens = mode, temperature, max_new_tokens
-        self.backend: RolloutBackend = backend or HFBackend(model.eval(), tokenizer.pad_token_id, reuse=reuse_cache)
+        self.backend: RolloutBackend = backend or rollout_engine(model.eval(), tokenizer.pad_token_id, reuse=reuse_cache)
         self.stop = ActionLineStop(tokenizer, builder.end_ids or [tokenizer.eos_token_id])
 
     def decide(self, episodes: list, greedy: bool, slots: list[int]) -> list[Decision]:

@@ -1,0 +1,125 @@
+"""`SlotEngine`, the slot-resident rollout engine, against the reference path (`HFBackend` re-encoding every
+prompt): the same greedy tokens, seeded samples and log-probs over several turns with reuse; its decode step
+compiles once; the shared sampler on hand-computed values."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from qevolve.models.backend import HFBackend, draw, uniforms
+from qevolve.models.engine import SlotEngine, rollout_engine
+from qevolve.models.policy import load_policy
+from qevolve.models.prompt import PromptBuilder
+from tests.test_backend import ACTS, MODEL, _conversations
+
+STOP = lambda tokens: len(tokens) >= 5  # noqa: E731
+
+
+def _agree(engine, reference, builder, slots=(0, 1, 2)):
+    """Play `_conversations` on both backends (scores, greedy and sampled turns); the largest log-prob difference."""
+    cands = [builder.action_ids(a) for a in ACTS]
+    worst = 0.0
+    for prompts in _conversations(builder):
+        c = [cands, cands[:2], cands[1:]]
+        for got, want in zip(engine.score(list(slots), prompts, c), reference.score(list(slots), prompts, c)):
+            worst = max(worst, float((got - want).abs().max()))
+        for greedy in (True, False):
+            kw = dict(max_new_tokens=6, stop=STOP, greedy=greedy, temperature=0.8, seeds=[11, 12, 13])
+            got, want = engine.generate(list(slots), prompts, **kw), reference.generate(list(slots), prompts, **kw)
+            assert [t for t, _ in got] == [t for t, _ in want]
+            worst = max(worst, max(abs(a - b) for (_, a), (_, b) in zip(got, want)))
+    return worst
+
+
+def test_the_engine_scores_and_generates_as_reencoding_does_over_turns_with_reuse(tiny_base):
+    model, tok = load_policy(tiny_base, MODEL)
+    builder = PromptBuilder(tok, 120)  # small: histories are truncated, so some turns miss the cache after the head
+    reference = HFBackend(model.eval(), tok.pad_token_id, reuse=False)
+    for slots in ((0, 1, 2), (5, 2, 9)):  # consecutive rows (a view) and scattered ones (an index)
+        engine = SlotEngine(model, tok.pad_token_id, score_rows=3)
+        assert _agree(engine, reference, builder, slots) < 1e-5
+        assert engine.encoded_tokens < reference.encoded_tokens / 3  # it did reuse
+    unmerged, _ = load_policy(tiny_base, MODEL)  # a fresh peft adapter, not merged: LoRA acts inside the engine's layers
+    with torch.no_grad():
+        for name, p in unmerged.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    assert _agree(SlotEngine(unmerged.eval(), tok.pad_token_id), HFBackend(unmerged, tok.pad_token_id, reuse=False), builder) < 1e-5
+
+
+def test_a_llama_model_runs_on_the_engine_and_others_fall_back(tiny_base):
+    from qevolve.models.policy import lora_model
+
+    _, tok = load_policy(tiny_base, MODEL)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok) + 64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512)
+    llama = lora_model(LlamaForCausalLM(config), MODEL).eval()  # SmolLM2's architecture
+    assert isinstance(rollout_engine(llama, tok.pad_token_id), SlotEngine)
+    assert _agree(SlotEngine(llama, tok.pad_token_id), HFBackend(llama, tok.pad_token_id, reuse=False), PromptBuilder(tok, 120)) < 1e-5
+    assert type(rollout_engine(llama, tok.pad_token_id, reuse=False)) is HFBackend  # the re-encoding baseline
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    assert type(rollout_engine(gpt2, 0)) is HFBackend
+    with pytest.raises(ValueError, match="SlotEngine cannot run this model"):
+        SlotEngine(gpt2, 0)
+
+
+def test_the_decode_step_compiles_once_for_every_step_turn_and_batch(tiny_base, monkeypatch):
+    """`torch.compile(fullgraph=True)` traces the whole step (no graph break), and no later step, turn, greedy or
+    sampled call, or call with fewer episodes traces it again (dynamo raises on a recompile)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    model, tok = load_policy(tiny_base, MODEL)
+    builder = PromptBuilder(tok, 120)
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    engine = SlotEngine(model.eval(), tok.pad_token_id, compile={"backend": "eager"})
+    engine._reserve(3, 200)  # the buffer's size fixed ahead, as `policy.compile` on a GPU would want
+    assert _agree(engine, HFBackend(model, tok.pad_token_id, reuse=False), builder) < 1e-5
+    engine.generate([1], _conversations(builder)[-1][1:2], max_new_tokens=6, stop=STOP, greedy=True, temperature=1.0)
+    assert counters["stats"]["unique_graphs"] == 1 and counters["stats"]["calls_captured"] > 100
+    torch._dynamo.reset()
+
+
+def test_uniforms_are_a_hash_of_seed_and_step_as_computed_by_hand():
+    def mix(x):  # the same hash in plain Python integers
+        x &= 0xFFFFFFFF
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x5BD1E995) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    seeds = [0, 1, 2**40 + 7, 2**62 - 1]
+    for step in (0, 1, 37):
+        want = [((mix(mix(mix(s) ^ (s >> 32)) + step * 0x9E3779B1) >> 8) + 0.5) / 2**24 for s in seeds]
+        assert uniforms(torch.tensor(seeds), step).tolist() == want
+    assert all(0 < u < 1 for u in want)
+    # a row's draw depends on its seed and step only, not on the rows beside it
+    assert uniforms(torch.tensor(seeds[2:3]), 37).tolist() == want[2:3]
+
+
+def test_draw_inverts_the_cumulative_distribution(monkeypatch):
+    import qevolve.models.backend as backend
+
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.7]] * 4))
+    monkeypatch.setattr(backend, "uniforms", lambda seeds, step: torch.tensor([0.05, 0.15, 0.31, 0.999], dtype=torch.float64))
+    tokens, logp = draw(logits, False, 1.0, torch.zeros(4, dtype=torch.long), 0)
+    assert tokens.tolist() == [0, 1, 2, 2]  # cumulative 0.1, 0.3, 1.0
+    assert torch.allclose(logp, torch.log(torch.tensor([0.1, 0.2, 0.7, 0.7])))
+    tokens, logp = draw(torch.tensor([[0.0, 2.0, 1.0]]), True, 5.0, None, 0)  # greedy: the argmax, log-prob at temperature 1
+    assert tokens.tolist() == [1] and torch.allclose(logp, torch.log_softmax(torch.tensor([0.0, 2.0, 1.0]), -1)[1:2])
+
+
+def test_draws_follow_the_distribution():
+    probs = torch.tensor([0.1, 0.2, 0.7])
+    n = 20000
+    tokens, _ = draw(torch.log(probs).expand(n, 3), False, 1.0, torch.arange(n) * 7919 + 3, 4)
+    freq = torch.bincount(tokens, minlength=3).float() / n
+    assert ((freq - probs).abs() < 3 * (probs * (1 - probs) / n).sqrt() + 1e-3).all()
+    half, _ = draw(torch.log(probs).expand(n, 3), False, 2.0, torch.arange(n) * 7919 + 3, 4)  # temperature 2 flattens
+    assert torch.bincount(half, minlength=3)[0] > torch.bincount(tokens, minlength=3)[0] * 1.5
