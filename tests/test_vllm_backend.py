@@ -75,3 +75,43 @@ def test_vllm_needs_adapters_without_trained_embeddings_and_is_no_part_of_lineag
     raw["model"]["lora"]["train_embeddings"] = False
     on_vllm = parse_params({**raw, "policy": {**raw.get("policy", {}), "backend": "vllm"}})
     assert dvcfile.render(on_vllm) == dvcfile.render(parse_params(raw))
+
+
+def test_the_engine_gets_the_real_model_its_length_and_memory_share_and_free_mode_loads_nothing_else(tiny_base, tmp_path, monkeypatch):
+    """`local_backend` with `policy.backend: vllm`, through a stand-in `vllm` module: the engine is given the model the
+    base stage resolved (not the folder holding its pointer), the context budget plus a turn as its maximum length and
+    the configured memory share; in free mode the HF model is never loaded, in admissible mode it scores."""
+    import json
+    import sys
+    from types import ModuleType
+
+    import qevolve.models.policy as policy
+    from qevolve.config import parse_params
+    from qevolve.models.base import POINTER
+    from qevolve.models.engine import SlotEngine
+
+    built = []
+    fake = ModuleType("vllm")
+    fake.LLM = lambda **kw: built.append(kw) or FakeEngine([])
+    fake.SamplingParams = params
+    lora = ModuleType("vllm.lora.request")
+    lora.LoRARequest = lambda name, id_, path: (name, id_, path)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.lora", ModuleType("vllm.lora"))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", lora)
+    pointer_base = tmp_path / "base"  # a named base: the folder holds only the pointer
+    pointer_base.mkdir()
+    (pointer_base / POINTER).write_text(json.dumps({"base": str(tiny_base)}))
+    raw = {"model": {"context_tokens": 300, "lora": {"train_embeddings": False}},
+           "policy": {"backend": "vllm", "action_mode": "free", "max_new_tokens": 24, "gpu_memory": 0.3}}
+    loads = []
+    real_load = policy.load_policy
+    monkeypatch.setattr(policy, "load_policy", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    backend, tok = policy.local_backend(parse_params(raw), pointer_base, tmp_path / "adapter")
+    assert built[0]["model"] == str(tiny_base) and built[0]["max_model_len"] == 324 and built[0]["gpu_memory_utilization"] == 0.3
+    assert backend.lora_request == ("policy", 1, str(tmp_path / "adapter")) and backend.scorer is None and loads == []
+    assert tok.pad_token_id is not None
+    real_load(tiny_base, parse_params(raw).model)[0].save_pretrained(tmp_path / "adapter")  # a fresh adapter to score with
+    raw["policy"]["action_mode"] = "admissible"
+    backend, _ = policy.local_backend(parse_params(raw), pointer_base, tmp_path / "adapter")
+    assert isinstance(backend.scorer, SlotEngine) and len(loads) == 1

@@ -168,7 +168,7 @@ def converted_gguf(base: str, digest: str) -> Path:
     return out
 
 
-def _source(base_dir: Path | str) -> str:
+def model_source(base_dir: Path | str) -> str:
     """Where the model the `base` stage chose lives (its folder, or the pointer's target)."""
     pointer = Path(base_dir) / POINTER
     recorded = json.loads(pointer.read_text()) if pointer.exists() else {"base": str(base_dir)}
@@ -182,7 +182,7 @@ def load_tokenizer(base_dir: Path | str):
     """The base model's tokenizer alone, as `load_base` prepares it (chat template and pad token)."""
     from transformers import AutoTokenizer
 
-    source = _source(base_dir)
+    source = model_source(base_dir)
     try:
         return _chat_ready(AutoTokenizer.from_pretrained(source))
     except OSError as err:
@@ -205,7 +205,7 @@ def load_base(base_dir: Path | str, dtype: str = "auto", device: str = "auto"):
     resolved by `qevolve.models.device`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = _source(base_dir)
+    source = model_source(base_dir)
     where = resolve_device(device)
     try:
         tok = AutoTokenizer.from_pretrained(source)

@@ -101,26 +101,31 @@ def use_adapter(model, name: str) -> None:
 
 
 def rollout_backend(params, base_dir: Path, policy_dir: Path) -> tuple[RolloutBackend, object]:
-    """(backend, tokenizer) for a rollout stage's actor: `local_backend` on the policy loaded here, or with
-    `policy.replicas`, Ray actors that each load it (`qevolve.models.ray_policy`)."""
+    """(backend, tokenizer) for a rollout stage's actor: `local_backend` in this process, or with
+    `policy.replicas`, Ray actors that each build one (`qevolve.models.ray_policy`)."""
     if params.policy.replicas:
         from qevolve.models.base import load_tokenizer
         from qevolve.models.ray_policy import RayPolicyBackend
 
         return RayPolicyBackend(params, base_dir, policy_dir), load_tokenizer(base_dir)
+    return local_backend(params, base_dir, policy_dir)
+
+
+def local_backend(params, base_dir: Path, policy_dir: Path) -> tuple[RolloutBackend, object]:
+    """(backend, tokenizer) for `policy.backend` in this process: `rollout_engine` on the policy at `policy_dir`,
+    or vLLM with that adapter (scoring, in admissible mode, on `rollout_engine`; in free mode nothing else
+    loads the model)."""
+    if params.policy.backend == "vllm":
+        from qevolve.models.base import load_tokenizer
+        from qevolve.models.vllm_backend import vllm_backend
+
+        scorer, tok = None, None
+        if params.policy.action_mode == "admissible":
+            model, tok = load_policy(base_dir, params.model, adapter=policy_dir)
+            scorer = rollout_engine(model.eval(), tok.pad_token_id, compile=compile_options(params, model))
+        return vllm_backend(base_dir, policy_dir, params, scorer), tok or load_tokenizer(base_dir)
     model, tok = load_policy(base_dir, params.model, adapter=policy_dir)
-    return local_backend(params, base_dir, policy_dir, model, tok), tok
-
-
-def local_backend(params, base_dir: Path, policy_dir: Path, model, tokenizer) -> RolloutBackend:
-    """`policy.backend` in this process: `rollout_engine` on the loaded policy `model`, or vLLM with the adapter
-    at `policy_dir` (scoring, in admissible mode, on `rollout_engine`)."""
-    hf = rollout_engine(model.eval(), tokenizer.pad_token_id, compile=compile_options(params, model))
-    if params.policy.backend == "hf":
-        return hf
-    from qevolve.models.vllm_backend import vllm_backend
-
-    return vllm_backend(base_dir, policy_dir, params.model, hf if params.policy.action_mode == "admissible" else None)
+    return rollout_engine(model.eval(), tok.pad_token_id, compile=compile_options(params, model)), tok
 
 
 def compile_options(params, model) -> dict | None:

@@ -21,11 +21,10 @@ class _Replica:
     def __init__(self, params, base_dir: str, policy_dir: str, threads: int):
         import torch
 
-        from qevolve.models.policy import load_policy, local_backend
+        from qevolve.models.policy import local_backend
 
         torch.set_num_threads(threads)
-        model, tok = load_policy(base_dir, params.model, adapter=policy_dir)
-        self.backend = local_backend(params, Path(base_dir), Path(policy_dir), model, tok)
+        self.backend = local_backend(params, Path(base_dir), Path(policy_dir))[0]
 
     def call(self, op: str, **kwargs):
         return getattr(self.backend, op)(**kwargs)

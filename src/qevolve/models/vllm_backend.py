@@ -20,7 +20,6 @@ from typing import Callable
 
 import torch
 
-from qevolve.config import ModelConfig
 from qevolve.models.backend import HFBackend, StopRule
 
 
@@ -61,14 +60,20 @@ class VLLMBackend:
         return results
 
 
-def vllm_backend(base_dir: Path, adapter_dir: Path, cfg: ModelConfig, scorer: HFBackend | None) -> VLLMBackend:
-    """A vLLM engine on the base model with the adapter at `adapter_dir` as its LoRA request."""
+def vllm_backend(base_dir: Path, adapter_dir: Path, params, scorer: HFBackend | None) -> VLLMBackend:
+    """A vLLM engine on the base model the `base` stage chose (`qevolve.models.base.model_source`: the embedded
+    model's folder, a Hugging Face id or path, or a GGUF file's converted folder), with the adapter at
+    `adapter_dir` as its LoRA request. Its context is a prompt's budget (`model.context_tokens`) plus a turn
+    (`policy.max_new_tokens`); it takes `policy.gpu_memory` of the GPU's memory."""
     try:
         from vllm import LLM, SamplingParams
         from vllm.lora.request import LoRARequest
     except ImportError as err:
         raise ImportError("policy.backend: `vllm` needs vLLM installed (pip install -e '.[vllm]' on a GPU machine)") from err
-    dtype = "auto" if cfg.dtype == "auto" else cfg.dtype
-    engine = LLM(model=str(base_dir), dtype=dtype, enable_lora=True, max_lora_rank=cfg.lora.r, enable_prefix_caching=True,
-                 logprobs_mode="processed_logprobs")
+    from qevolve.models.base import model_source
+
+    cfg = params.model
+    engine = LLM(model=model_source(base_dir), dtype=cfg.dtype, enable_lora=True, max_lora_rank=cfg.lora.r, enable_prefix_caching=True,
+                 logprobs_mode="processed_logprobs", max_model_len=cfg.context_tokens + params.policy.max_new_tokens,
+                 gpu_memory_utilization=params.policy.gpu_memory, seed=0)
     return VLLMBackend(engine, LoRARequest("policy", 1, str(adapter_dir)), SamplingParams, scorer)
