@@ -1,11 +1,12 @@
 """Rollout throughput: KV-cache reuse + batching across episodes against a naive loop.
 
 The naive loop plays one episode at a time and re-encodes the whole history every turn. The fast path
-keeps every episode's KV cache across turns and batches 1, 4 or 16 concurrent episodes with the
-environments in this process; then 16 with each environment in its own worker process (`workers`),
-stepping in parallel; 16 with the LoRA adapter left unmerged (`unmerged`); and in `admissible` mode 16
-with every episode's candidates scored in one padded pass (`one pass`; a CPU scores one episode per pass
-by default, see `HFBackend`). All runs play the same valid_seen games greedily with the trained policy of
+(`reuse`, the rollout engine `SlotEngine`) keeps every episode's keys and values resident across turns and
+batches 1, 4 or 16 concurrent episodes with the environments in this process; `hf reuse` does the same
+with `HFBackend`'s per-slot caches, the engine before `SlotEngine`; then 16 with each environment in its
+own worker process (`workers`), stepping in parallel; 16 with the LoRA adapter left unmerged (`unmerged`);
+and in `admissible` mode 16 with every episode's candidates scored in one padded pass (`one pass`; a CPU
+scores one episode per pass by default, see `HFBackend`). All runs play the same valid_seen games greedily with the trained policy of
 a workspace (run `make quickstart` first), its adapter merged into the weights as every inference stage
 loads it, and read ALFWorld's kept game translations from a disk cache filled before timing, as every
 stage after the first does. The benchmark fails if any run takes a different action than the naive loop.
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     args = ap.parse_args(argv)
     from qevolve.envs import make_env, select_tasks
+    from qevolve.models.backend import HFBackend
     from qevolve.models.policy import Actor, load_policy
     from qevolve.models.prompt import make_builder
     from qevolve.rollout import play
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for mode in args.mode:
         most = max(args.concurrency)
-        runs = [("naive", False, 1)] + [("reuse", True, c) for c in args.concurrency] + [("workers", True, most), ("unmerged", True, most)]
+        runs = [("naive", False, 1), ("hf reuse", True, most)] + [("reuse", True, c) for c in args.concurrency]
+        runs += [("workers", True, most), ("unmerged", True, most)]
         if mode == "admissible":
             runs.append(("one pass", True, most))
         reference = None
@@ -69,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             getattr(fast_downward.pddl2sas, "cache", {}).clear()  # no run starts with another's games in memory
             torch.manual_seed(0)
             policy = unmerged if name == "unmerged" else model
-            actor = Actor(policy, tok, builder, mode, 1.0, params.policy.max_new_tokens, reuse_cache=reuse)
+            actor = Actor(policy, tok, builder, mode, 1.0, params.policy.max_new_tokens, reuse_cache=reuse,
+                          backend=HFBackend(policy.eval(), tok.pad_token_id) if name == "hf reuse" else None)
             if name == "one pass":  # all episodes' candidates scored in one padded pass, not one episode per pass
                 actor.backend.score_rows = concurrency
             model_s = 0.0
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             })
 
     print(f"\n{args.episodes} valid_seen games, {args.max_steps} steps max, greedy, model {ws / 'models/bc'}\n")
-    print(f"{'mode':<11}{'run':<9}{'concurrent':>10}{'env steps/s':>13}{'speed-up':>10}{'model ms/step':>15}{'speed-up':>10}"
+    print(f"{'mode':<11}{'run':<10}{'concurrent':>10}{'env steps/s':>13}{'speed-up':>10}{'model ms/step':>15}{'speed-up':>10}"
           f"{'gen tok/s':>11}{'encoded tok':>13}{'same actions':>14}")
     base = {}
     for r in rows:
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             base[r["mode"]] = r
         b = base[r["mode"]]
         gen = f"{r['tok_per_s']:.1f}" if r["mode"] == "free" else "-"
-        print(f"{r['mode']:<11}{r['run']:<9}{r['episodes']:>10}{r['steps_per_s']:>13.2f}{r['steps_per_s'] / b['steps_per_s']:>9.1f}x"
+        print(f"{r['mode']:<11}{r['run']:<10}{r['episodes']:>10}{r['steps_per_s']:>13.2f}{r['steps_per_s'] / b['steps_per_s']:>9.1f}x"
               f"{r['model_ms']:>15.0f}{b['model_ms'] / r['model_ms']:>9.1f}x{gen:>11}{r['encoded']:>13}{str(r['same']):>14}")
     print("\nenv steps/s: steps over the wall time of the whole rollout (ALFWorld resets and steps included); model ms/step:"
           " policy time per env step; gen tok/s: generated tokens per second of policy time (free mode); encoded tok:"

@@ -180,10 +180,10 @@ class HFBackend:
         index = lambda xs: torch.tensor(xs, device=self.device)  # noqa: E731
         logp = torch.log_softmax(self.head(hidden[index(rows), index(at)]).float(), dim=-1)
         token_logp = logp.gather(-1, index(targets)[:, None])[:, 0]
-        out = [torch.zeros(len(cands)) for cands in candidates]
+        sums = [[0.0] * len(cands) for cands in candidates]
         for (b, j), lp in zip(owner, token_logp.tolist()):
-            out[b][j] += lp
-        return out
+            sums[b][j] += lp
+        return [torch.tensor(x) for x in sums]
 
     @torch.no_grad()
     def generate(

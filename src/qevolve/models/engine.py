@@ -165,20 +165,18 @@ class SlotEngine(HFBackend):
             queries.append(q)
             layout.append((len(p) - n, starts))
         B, Q = len(prompts), max(map(len, queries))
-        ids = torch.full((B, Q), self.pad_id, dtype=torch.long)
-        pos = torch.zeros((B, Q), dtype=torch.long)
-        segment = torch.full((B, Q), -2, dtype=torch.long)  # -1 prompt suffix, j segment j, -2 padding
-        written = []  # (row, query index, slot, position) of every suffix token
+        # Built as lists and made tensors in one call each: the operators a turn dispatches do not grow with its rows.
+        ids, pos, segment, written = [], [], [], []  # segment: -1 prompt suffix, j candidate j, -2 padding
         for b, (q, n, (s, starts), slot) in enumerate(zip(queries, reused, layout, slots)):
-            ids[b, : len(q)] = torch.tensor(q, dtype=torch.long)
-            pos[b, :s] = torch.arange(n, n + s)
-            segment[b, :s] = -1
+            ids.append(q + [self.pad_id] * (Q - len(q)))
+            pos.append(list(range(n, n + s)) + [0] * (Q - s))
+            segment.append([-1] * s + [-2] * (Q - s))
             written += [(b, i, slot, n + i) for i in range(s)]
             for j, (start, seg) in enumerate(zip(starts, extra[b])):
-                pos[b, start : start + len(seg)] = torch.arange(n + s, n + s + len(seg))
-                segment[b, start : start + len(seg)] = j
-        at = torch.tensor(written, dtype=torch.long).T.to(self.device)
-        ids, pos, segment = (t.to(self.device) for t in (ids, pos, segment))
+                pos[b][start : start + len(seg)] = range(n + s, n + s + len(seg))
+                segment[b][start : start + len(seg)] = [j] * len(seg)
+        at = torch.tensor(written, dtype=torch.long, device=self.device).T
+        ids, pos, segment = (torch.tensor(t, dtype=torch.long, device=self.device) for t in (ids, pos, segment))
         cached = torch.arange(past, device=self.device)[None, :] < torch.tensor(reused, device=self.device)[:, None]  # (B, past)
         qs, ks = segment[:, :, None], segment[:, None, :]
         own = torch.ones(Q, Q, dtype=torch.bool, device=self.device).tril() & (ks != -2) & ((ks == -1) | (ks == qs))
