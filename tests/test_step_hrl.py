@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qevolve import paths
-from qevolve.algos.losses import sequence_logprobs
+from qevolve.algos.losses import sequence_logprobs, token_logprobs
 from qevolve.algos.rl import advantage_pg_loss
 from qevolve.config import ConfigError, parse_params
 from qevolve.data.store import SchemaError, StepRecord, Trajectory
@@ -150,7 +150,7 @@ def test_length_normalised_logprob_and_the_repos_actor_loss_match_hand_computed_
     ids = torch.tensor([[0, 0, 1, 0]])
     mask = torch.tensor([[0, 0, 1, 1]])  # targets: ids[2] = 1 (p 3/4), ids[3] = 0 (p 1/2)
     expected = (torch.log(torch.tensor(0.75)) + torch.log(torch.tensor(0.5))) / 2
-    assert torch.allclose(sequence_logprobs(logits, ids, mask), expected.reshape(1))
+    assert torch.allclose(sequence_logprobs(token_logprobs(logits, ids), mask), expected.reshape(1))
     logp, adv = torch.tensor([-1.0, -2.0]), torch.tensor([0.5, -1.0])
     assert torch.isclose(advantage_pg_loss(logp, adv), torch.tensor(-(0.5 * -1.0 + -1.0 * -2.0) / 2))  # = -0.75
 

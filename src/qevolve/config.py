@@ -333,6 +333,17 @@ class TrainRunConfig(Section):
     """With several processes, shard the model (FSDP2) instead of copying it into each: each process
     loads it on the CPU and keeps 1/N of its weights, gradients and optimiser state on its device, for a
     base too large for one GPU. The update is the same as unsharded (to float rounding)."""
+    micro_batch_tokens: int = Field(0, ge=0)
+    """Size each trainer's micro-batches by tokens instead of by `micro_batch_size`: as many of an optimiser
+    batch's windows (sorted by length) as fit in this many padded tokens, at least one. The update is the
+    same (each loss is normalised over the whole batch); a GPU's memory and speed want a token budget. 0: off."""
+    compile: bool = False
+    """Compile each decoder layer with `torch.compile` for training (the first steps of a run are slower
+    while it compiles; sequence lengths vary, so it compiles for dynamic shapes)."""
+    peak_tflops: float = Field(0.0, ge=0)
+    """The device's dense bf16 peak in TFLOP/s, for the model FLOPs utilisation in the trainers' metrics
+    (`mfu`, at 4 FLOPs per parameter per token: LoRA computes no gradient for the frozen weights). 0: by the
+    GPU's name where known (H100, H200: 989; A100: 312), else none is reported."""
 
 
 class MlflowConfig(Section):

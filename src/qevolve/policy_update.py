@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from qevolve.algos.losses import token_logprobs
 from qevolve.algos.rl import clip_fraction, policy_loss
 from qevolve.config import Params
 from qevolve.data.store import Trajectory
+from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device
 from qevolve.models.prompt import Window
 from qevolve.training import is_sharded, local_share, pad_ids
@@ -38,7 +38,11 @@ class PolicyItem:
 def step_token_logps(model, items: list[PolicyItem], pad_id: int) -> list[list[torch.Tensor]]:
     """Per item, per action step: the log-probs of the action's tokens under `model`."""
     ids, attn = pad_ids([it.window.ids for it in items], pad_id, model_device(model))
-    logp = token_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids)  # entry t predicts ids[t+1]
+    actions = torch.zeros_like(ids)
+    for b, it in enumerate(items):
+        for a, e in it.spans:
+            actions[b, a:e] = 1
+    logp = target_logprobs(model, ids, actions, attention_mask=attn)  # entry t predicts ids[t+1]
     return [[logp[b, a - 1 : e - 1] for a, e in it.spans] for b, it in enumerate(items)]
 
 

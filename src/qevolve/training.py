@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import random
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
@@ -30,7 +31,7 @@ from tqdm import tqdm
 
 from qevolve.config import ModelConfig, TrainConfig, TrainRunConfig
 from qevolve.data.atomic import atomic_path
-from qevolve.models.device import model_device, resolve_device, resolve_dtype
+from qevolve.models.device import model_device, peak_tflops, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -195,12 +196,21 @@ def packed_rows(seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[int]], l
     return ids, mask, pos
 
 
-def batches(items: list[T], cfg: TrainConfig, rng: random.Random, length: Callable[[T], int]) -> Iterator[list[list[T]]]:
-    """One epoch: shuffled optimiser batches, each sorted by length and cut into micro-batches."""
+def batches(items: list[T], cfg: TrainConfig, rng: random.Random, length: Callable[[T], int], token_budget: int = 0) -> Iterator[list[list[T]]]:
+    """One epoch: shuffled optimiser batches, each sorted by length and cut into micro-batches of
+    `cfg.micro_batch_size` items, or with a `token_budget`, of as many items as fit in that many padded tokens."""
     order = rng.sample(range(len(items)), len(items))
     for i in range(0, len(order), cfg.batch_size):
         batch = sorted((items[j] for j in order[i : i + cfg.batch_size]), key=length)
-        yield [batch[k : k + cfg.micro_batch_size] for k in range(0, len(batch), cfg.micro_batch_size)]
+        if not token_budget:
+            yield [batch[k : k + cfg.micro_batch_size] for k in range(0, len(batch), cfg.micro_batch_size)]
+            continue
+        micro: list[list[T]] = [[]]
+        for item in batch:  # ascending: the newest item is the longest, so a micro-batch costs rows x its length
+            if micro[-1] and (len(micro[-1]) + 1) * length(item) > token_budget:
+                micro.append([])
+            micro[-1].append(item)
+        yield micro
 
 
 def train(
@@ -213,6 +223,7 @@ def train(
     after_step: Callable[[], None] | None = None,
     checkpoint: Path | None = None,
     inputs: str = "",
+    run: TrainRunConfig | None = None,
 ) -> list[dict]:
     """AdamW with linear warm-up and decay over `cfg.epochs` epochs; `step(micro_batches)` runs the
     forward and backward passes of one optimiser step (of its `local_share` under several processes) and
@@ -225,7 +236,11 @@ def train(
     (same config, data lengths and `inputs`, the stage's `input_digest`) resumes from it instead of
     starting over; the result is the same as an uninterrupted run's. The caller deletes the checkpoint
     once its artifact is written.
-    Returns the curve: one dict of metrics per optimiser step."""
+    `run` (the `train` section): micro-batches by token budget, compiled decoder layers.
+    Returns the curve: one dict of metrics per optimiser step, with its real tokens and seconds."""
+    run = run or TrainRunConfig()
+    if run.compile:
+        compile_layers(model)
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
     sharded = is_sharded(model)
@@ -292,9 +307,10 @@ def train(
     with tqdm(total=total, initial=len(curve), desc=desc, unit="step", disable=rank != 0) as bar:
         while epoch < cfg.epochs:
             rng.setstate(epoch_rng)
-            for i, micro in enumerate(batches(items, cfg, rng, length)):
+            for i, micro in enumerate(batches(items, cfg, rng, length, run.micro_batch_tokens)):
                 if i < skip:
                     continue
+                started = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
                 metrics = step(micro)
                 if sharded:  # FSDP averaged the gradients: back to their sum
@@ -308,7 +324,10 @@ def train(
                 schedule.step()
                 if after_step is not None:
                     after_step()
-                curve.append({"step": len(curve) + 1, "epoch": epoch + 1, **metrics})
+                if model_device(model).type == "cuda":
+                    torch.cuda.synchronize(model_device(model))
+                tokens = sum(length(it) for mb in micro for it in mb)
+                curve.append({"step": len(curve) + 1, "epoch": epoch + 1, **metrics, "tokens": tokens, "seconds": time.perf_counter() - started})
                 bar.update(1)
                 bar.set_postfix(epoch=epoch + 1, loss=f"{metrics['loss']:.3f}")
                 if checkpoint is not None and len(curve) % cfg.checkpoint_every == 0 and i + 1 < steps_per_epoch:
@@ -318,6 +337,28 @@ def train(
                 save(epoch, 0, epoch_rng)
     model.eval()
     return curve
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """`torch.compile` each decoder layer of `model` in place (the module stays itself: peft, FSDP and the
+    checkpoints see no wrapper), for dynamic sequence lengths."""
+    names = {name for m in model.modules() for name in getattr(m, "_no_split_modules", None) or ()}
+    for module in [m for m in model.modules() if type(m).__name__ in names]:
+        module.compile(dynamic=True)
+
+
+def train_speed(model: torch.nn.Module, curve: list[dict], run: TrainRunConfig | None = None) -> dict:
+    """What a trainer's metrics report of its speed: tokens per second of optimiser steps (all processes),
+    and where the device's peak is known (`train.peak_tflops`, or the GPU's name), the model FLOPs
+    utilisation at 4 FLOPs per parameter per token (forward 2, backward through the activations 2: LoRA
+    makes no gradient for the frozen weights)."""
+    seconds = sum(c["seconds"] for c in curve)
+    out = {"tokens_per_s": sum(c["tokens"] for c in curve) / seconds if seconds else 0.0}
+    peak = (run.peak_tflops if run else 0.0) or peak_tflops(model_device(model))
+    if peak:
+        parameters = sum(p.numel() for p in model.parameters())  # a sharded parameter counts whole
+        out["mfu"] = 4 * parameters * out["tokens_per_s"] / (peak * 1e12 * rank_and_world()[1])
+    return out
 
 
 def _by_rate(model: torch.nn.Module, lr: float) -> list[dict]:

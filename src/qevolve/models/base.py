@@ -229,3 +229,27 @@ def load_base(base_dir: Path | str, dtype: str = "auto", device: str = "auto"):
 def causal_lm(model):
     """The transformers causal LM itself, whether `model` is wrapped by peft or not."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def target_logprobs(model, ids: torch.Tensor, mask: torch.Tensor | None = None, **inputs) -> torch.Tensor:
+    """log p(ids[b, t + 1]) under `model` (B, T - 1), float32: at the positions whose next token `mask` (B, T)
+    marks (every position without one), zero elsewhere. `inputs` go to the model (attention_mask,
+    position_ids, ...).
+
+    The LM head runs only at those positions, in chunks recomputed in the backward pass
+    (`qevolve.algos.losses.head_logprobs`): the (B, T, vocabulary) float32 logits a plain forward pass makes
+    are never materialised. A model sharded with FSDP runs its whole forward instead (its root unit gathers
+    the head's weights)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from qevolve.algos.losses import head_logprobs, token_logprobs
+
+    if isinstance(model, FSDPModule):
+        logp = token_logprobs(model(input_ids=ids, **inputs).logits, ids)
+        return logp if mask is None else logp * (mask[:, 1:] != 0)
+    lm = causal_lm(model)
+    hidden = lm.base_model(input_ids=ids, use_cache=False, **inputs).last_hidden_state[:, :-1]
+    want = torch.ones_like(ids[:, 1:], dtype=torch.bool) if mask is None else mask[:, 1:] != 0
+    at = want.nonzero(as_tuple=True)
+    logp = head_logprobs(hidden[at], lm.get_output_embeddings(), ids[:, 1:][at])
+    return torch.zeros(want.shape, dtype=logp.dtype, device=logp.device).index_put(at, logp)

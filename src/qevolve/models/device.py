@@ -42,6 +42,18 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
     return getattr(torch, setting)
 
 
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
+"""Dense bf16 peaks by GPU name (the vendors' datasheets, without sparsity)."""
+
+
+def peak_tflops(device: torch.device) -> float:
+    """The device's dense bf16 peak in TFLOP/s where its name is in `PEAK_BF16_TFLOPS`, else 0."""
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 0.0)
+
+
 def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 

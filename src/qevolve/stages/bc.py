@@ -12,11 +12,12 @@ from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import Trajectory, read_store
 from qevolve.envs import check_tasks, make_env
+from qevolve.models.base import target_logprobs
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import INTRODUCTIONS, KEEP_CASE, PROMPT_FILE, PromptBuilder, build_examples
 from qevolve.models.device import model_device, placement
 from qevolve.training import (
-    checkpoint_path, full_state, input_digest, is_main, is_sharded, last_epoch_mean, loading_config, local_share, packed_rows, pad_ids, shard, train,
+    checkpoint_path, full_state, input_digest, is_main, is_sharded, last_epoch_mean, loading_config, local_share, packed_rows, pad_ids, shard, train, train_speed,
 )
 
 
@@ -40,13 +41,13 @@ def bc_step(model, micro: list[list[tuple[list[int], list[int]]]], pad_id: int, 
     for mb, scale in local_share(micro, even=is_sharded(model)):
         if pack_tokens:
             ids, mask, pos = (t.to(device) for t in packed_rows([x for x, _ in mb], [m for _, m in mb], pack_tokens, pad_id))
-            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+            logp = target_logprobs(model, ids, mask, position_ids=pos)
         else:
             ids, attn = pad_ids([x for x, _ in mb], pad_id, device)
             mask, _ = pad_ids([m for _, m in mb], 0, device)
-            logits = model(input_ids=ids, attention_mask=attn).logits
+            logp = target_logprobs(model, ids, mask, attention_mask=attn)
         weight = int(mask[:, 1:].sum()) / max(total, 1)
-        loss = masked_nll(logits, ids, mask) * weight * scale
+        loss = masked_nll(logp, mask) * weight * scale
         loss.backward()
         loss_sum += float(loss.detach())
     return {"loss": loss_sum}
@@ -67,9 +68,8 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
     pack_tokens = params.model.context_tokens if cfg.pack else 0
     start = time.perf_counter()
     curve = train(model, examples, cfg, lambda e: len(e[0]), lambda micro: bc_step(model, micro, tok.pad_token_id, pack_tokens), "bc",
-                  checkpoint=checkpoint_path(out), inputs=input_digest(experts_dir))
+                  checkpoint=checkpoint_path(out), inputs=input_digest(experts_dir), run=params.train)
     elapsed = time.perf_counter() - start
-    tokens = cfg.epochs * sum(len(ids) for ids, _ in examples)
     state = full_state(model)
     if not is_main():
         return {}
@@ -84,8 +84,8 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
         "truncated_observations": len(builder.truncated),
         "trajectories": len(trajs),
         "steps": len(curve),
-        "tokens_per_s": tokens / elapsed,
         "train_seconds": elapsed,
+        **train_speed(model, curve, params.train),
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         **placement(model),
     }

@@ -82,7 +82,8 @@ def online(params: Params, base_dir: Path, previous_dir: Path, out: Path, metric
             for it, ref in zip(items, reference_pass(model, items, tok.pad_token_id, cfg.micro_batch_size)):
                 it.reference = ref
                 it.behavior = torch.stack([lp.sum() for lp in ref])
-            curve = train(model, items, cfg, lambda it: len(it.window.ids), lambda micro: policy_step(model, micro, params, tok.pad_token_id), f"online@{iteration}")
+            curve = train(model, items, cfg, lambda it: len(it.window.ids), lambda micro: policy_step(model, micro, params, tok.pad_token_id), f"online@{iteration}",
+                          run=params.train)
             row.update({k: sum(c[k] for c in curve) / len(curve) for k in ("loss", "pg_loss", "kl", "clip_fraction")})
         state["curve"].append(row)
         state["round"] = r + 1

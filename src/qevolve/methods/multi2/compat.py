@@ -26,9 +26,10 @@ from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.hierarchy.critic import Item, LevelCritic, critic_items, save_critic, values
 from qevolve.methods.step_hrl.shared import load_roles_policy, role_builder, save_roles_policy, training_sets
+from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device, placement
 from qevolve.models.policy import use_adapter
-from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train
+from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train, train_speed
 
 LEVEL = "low"
 TAU = 0.5
@@ -56,7 +57,7 @@ def joint_step(joint: LevelCritic, micro: list[list[Item]], beta: float, max_wei
         adv = (x["q"] - x["v"]).detach()
         ids, attn = pad_ids([it.ids for it in mb], pad_id, device)
         mask, _ = pad_ids([[0] * it.output_start + [1] * (len(it.ids) - it.output_start) for it in mb], 0, device)
-        logp = sequence_logprobs(joint.lm(input_ids=ids, attention_mask=attn).logits, ids, mask)
+        logp = sequence_logprobs(target_logprobs(joint.lm, ids, mask, attention_mask=attn), mask)
         share = len(mb) / total
         awr = awr_loss(logp, adv, 1.0 / beta, max_weight)
         (v_loss + q_loss + awr * share).backward()
@@ -85,7 +86,7 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
     curve = train(joint, items, cfg, lambda it: 2 * len(it.ids) + len(it.next_ids),
                   lambda micro: joint_step(joint, micro, cfg.beta, cfg.max_weight, hrl.critic.gamma, tok.pad_token_id), "policy",
                   after_step=lambda: joint.update_target(hrl.critic.target_rate), checkpoint=checkpoint_path(out),
-                  inputs=input_digest(previous_dir, data_dir, collected_dir))
+                  inputs=input_digest(previous_dir, data_dir, collected_dir), run=params.train)
     elapsed = time.perf_counter() - start
     save_roles_policy(model, out, previous_dir)
     save_critic(joint, critic_out, adapter=False)
@@ -97,6 +98,7 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
         "examples": len(items),
         "expectile": TAU,
         "train_seconds": elapsed,
+        **train_speed(joint, curve, params.train),
         **placement(model),
     }
     write_json(metrics_path, metrics)

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from qevolve.algos.losses import token_logprobs
 from qevolve.algos.rl import awac_kl_loss, iql_losses
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_path, write_json
@@ -40,6 +39,7 @@ from qevolve.hierarchy.critic import LevelCritic, critic_items, load_critic, loa
 from qevolve.hierarchy.roles import Transition, encode, transitions
 from qevolve.methods.multi2.compat import on_actor
 from qevolve.methods.step_hrl.shared import ROLES_FILE, agent_of, read_roles, role_builder, role_names, save_roles_policy
+from qevolve.models.base import target_logprobs
 from qevolve.models.device import placement
 from qevolve.models.policy import load_policy, use_adapter
 from qevolve.rollout import another_round, play_in, spent
@@ -132,9 +132,9 @@ def update(model, critic: LevelCritic, batch: list[dict], builder, cfg, critic_c
     target = mask[:, 1:].bool()
     with torch.no_grad():
         use_adapter(model, ANCHOR)
-        ref = token_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids)[target]
+        ref = target_logprobs(model, ids, mask, attention_mask=attn)[target]
     use_adapter(model, LEVEL)
-    tok_logp = token_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids)
+    tok_logp = target_logprobs(model, ids, mask, attention_mask=attn)
     seq = (tok_logp * target).sum(-1) / target.sum(-1).clamp(min=1)
     loss, weighted, kl = awac_kl_loss(seq, adv, tok_logp[target], ref, alpha=cfg.alpha, max_weight=cfg.max_weight, eta=cfg.eta, first_order=compat)
     if not compat:

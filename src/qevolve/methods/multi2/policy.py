@@ -25,9 +25,10 @@ from qevolve.hierarchy.critic import advantages_of, load_critic
 from qevolve.hierarchy.roles import encode, parse_low
 from qevolve.methods.step_hrl.shared import advantage_of, load_roles_policy, read_advantages, role_builder, save_roles_policy, training_sets
 from qevolve.models.backend import HFBackend
+from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device, placement
 from qevolve.models.policy import use_adapter
-from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train
+from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train, train_speed
 
 Item = tuple[str, list[int], list[int], float]
 """(role, the state's prompt ids, the data's output ids, its advantage)."""
@@ -72,7 +73,7 @@ def anchored_step(model, critic, sampler: Sampler, micro: list[list[Item]], cfg,
         ids, attn = pad_ids(seqs, pad_id, device)
         mask, _ = pad_ids([[0] * len(p) + [1] * len(o) for _, p, o, _ in mb] + [[0] * len(p) + [1] * len(o) for p, o in zip(prompts, sampled_ids)],
                           0, device)
-        logp = sequence_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids, mask)
+        logp = sequence_logprobs(target_logprobs(model, ids, mask, attention_mask=attn), mask)
         n = len(mb)
         adv = torch.tensor([a for *_, a in mb], device=device)
         loss, awr, anchored = anchored_awr_loss(logp[:n], adv, logp[n:], adv_pi, beta=cfg.beta, max_weight=cfg.max_weight, lam=cfg.lam,
@@ -118,7 +119,7 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, critic_dir: Path,
     start = time.perf_counter()
     curve = train(model, items, cfg, lambda it: 2 * len(it[1]) + len(it[2]) + params.policy.max_new_tokens,
                   lambda micro: anchored_step(model, critic, sampler, micro, cfg, tok.pad_token_id, separate), "policy",
-                  checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, critic_dir, data_dir, collected_dir, advantage_dir))
+                  checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, critic_dir, data_dir, collected_dir, advantage_dir), run=params.train)
     elapsed = time.perf_counter() - start
     save_roles_policy(model, out, previous_dir)
     metrics = {
@@ -131,6 +132,7 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, critic_dir: Path,
         "weight_mean": float(weights.mean()),
         "weight_clipped": float((weights >= cfg.max_weight).float().mean()),
         "train_seconds": elapsed,
+        **train_speed(model, curve, params.train),
         **placement(model),
     }
     write_json(metrics_path, metrics)

@@ -20,7 +20,7 @@ from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PROMPT_FILE, make_builder
 from qevolve.models.device import model_device, placement
 from qevolve.training import (
-    checkpoint_path, full_state, input_digest, is_main, is_sharded, last_epoch_mean, loading_config, local_share, pad_ids, shard, train,
+    checkpoint_path, full_state, input_digest, is_main, is_sharded, last_epoch_mean, loading_config, local_share, pad_ids, shard, train, train_speed,
 )
 
 
@@ -79,7 +79,7 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, out
         model, items, cfg, lambda it: len(it.window.ids),
         lambda micro: critic_step(model, micro, cfg.gamma, cfg.expectile, tok.pad_token_id),
         "critic", after_step=lambda: model.update_target(cfg.target_rate), checkpoint=checkpoint_path(out),
-        inputs=input_digest(policy_dir, data_dir),
+        inputs=input_digest(policy_dir, data_dir), run=params.train,
     )
     elapsed = time.perf_counter() - start
     state = full_state(model)
@@ -98,6 +98,7 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, out
         "windows": len(items),
         "trajectories": len(trajs),
         "train_seconds": elapsed,
+        **train_speed(model, curve, params.train),
         **value_stats(trajs, values),
         **placement(model),
     }

@@ -22,7 +22,7 @@ from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PROMPT_FILE, make_builder
 from qevolve.policy_update import policy_items, policy_step, reference_pass
 from qevolve.models.device import placement
-from qevolve.training import checkpoint_path, full_state, input_digest, is_main, last_epoch_mean, loading_config, shard, train
+from qevolve.training import checkpoint_path, full_state, input_digest, is_main, last_epoch_mean, loading_config, shard, train, train_speed
 
 
 def policy(
@@ -48,7 +48,7 @@ def policy(
         del bc_model
     start = time.perf_counter()
     curve = train(model, items, cfg, lambda it: len(it.window.ids), lambda micro: policy_step(model, micro, params, tok.pad_token_id), "policy",
-                  checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, bc_dir, data_dir, advantage_dir))
+                  checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, bc_dir, data_dir, advantage_dir), run=params.train)
     elapsed = time.perf_counter() - start
     state = full_state(model)
     if not is_main():
@@ -66,6 +66,7 @@ def policy(
         "windows": len(items),
         "steps": sum(len(it.spans) for it in items),
         "train_seconds": elapsed,
+        **train_speed(model, curve, params.train),
         **placement(model),
     }
     write_json(metrics_path, metrics)

@@ -18,10 +18,11 @@ from qevolve.data.transitions import read_transitions
 from qevolve.methods.step_hrl.config import section
 from qevolve.hierarchy.roles import ROLES, encode
 from qevolve.methods.step_hrl.shared import role_builder, role_groups, role_names, role_prompts, write_roles
+from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device, placement
 from qevolve.models.policy import load_policy
 from qevolve.training import (
-    checkpoint_path, full_state, input_digest, is_main, is_sharded, last_epoch_mean, loading_config, local_share, pad_ids, shard, train,
+    checkpoint_path, full_state, input_digest, is_main, is_sharded, last_epoch_mean, loading_config, local_share, pad_ids, shard, train, train_speed,
 )
 
 Item = tuple[str, list[int], list[int], float]
@@ -40,7 +41,7 @@ def weighted_nll_step(model, micro: list[list[Item]], pad_id: int, separate: boo
             ids, attn = pad_ids([x for _, x, _, _ in group], pad_id, device)
             mask, _ = pad_ids([m for _, _, m, _ in group], 0, device)
             weights = torch.tensor([w for *_, w in group], device=device)
-            logp = sequence_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids, mask)
+            logp = sequence_logprobs(target_logprobs(model, ids, mask, attention_mask=attn), mask)
             loss = -(weights * logp).sum() / total * scale
             loss.backward()
             loss_sum += float(loss.detach())
@@ -62,7 +63,7 @@ def bc(params: Params, base_dir: Path, data_dir: Path, out: Path, metrics_path: 
     start = time.perf_counter()
     curve = train(model, items, cfg, lambda it: len(it[1]),
                   lambda micro: weighted_nll_step(model, micro, tok.pad_token_id, adapters == "separate"), "bc",
-                  checkpoint=checkpoint_path(out), inputs=input_digest(data_dir))
+                  checkpoint=checkpoint_path(out), inputs=input_digest(data_dir), run=params.train)
     elapsed = time.perf_counter() - start
     state = full_state(model)
     if not is_main():
@@ -78,8 +79,8 @@ def bc(params: Params, base_dir: Path, data_dir: Path, out: Path, metrics_path: 
         "progress": progress,
         "steps": len(curve),
         "adapters": adapters,
-        "tokens_per_s": cfg.epochs * sum(len(ids) for _, ids, _, _ in items) / elapsed,
         "train_seconds": elapsed,
+        **train_speed(model, curve, params.train),
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         **placement(model),
     }

@@ -27,7 +27,7 @@ from qevolve.methods.step_hrl.config import section
 from qevolve.methods.step_hrl.shared import ADVANTAGE_SCHEMA, ADVANTAGES, read_roles, role_builder, training_sets
 from qevolve.models.device import placement
 from qevolve.models.policy import load_policy
-from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, train
+from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, train, train_speed
 
 
 def critic_step(critic: LevelCritic, micro: list[list[Item]], gamma: float, tau: float, pad_id: int) -> dict:
@@ -67,7 +67,7 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, col
     curve = train(model, items, cfg, lambda it: len(it.ids) + len(it.next_ids),
                   lambda micro: critic_step(model, micro, cfg.gamma, tau, tok.pad_token_id), "critic",
                   after_step=lambda: model.update_target(cfg.target_rate), checkpoint=checkpoint_path(out),
-                  inputs=input_digest(policy_dir, data_dir, collected_dir))
+                  inputs=input_digest(policy_dir, data_dir, collected_dir), run=params.train)
     elapsed = time.perf_counter() - start
     model.eval()
     rows = []
@@ -90,6 +90,7 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, col
         **{f"{role}_advantage_mean": _mean([r["advantage"] for r in rows if r["level"] == role]) for role in sets},
         **{f"{role}_v_mean": _mean([r["v"] for r in rows if r["level"] == role]) for role in sets},
         "train_seconds": elapsed,
+        **train_speed(model, curve, params.train),
         **placement(model),
     }
     write_json(metrics_path, metrics)

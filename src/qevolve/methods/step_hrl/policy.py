@@ -17,8 +17,9 @@ from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.hierarchy.roles import ROLES, encode
 from qevolve.methods.step_hrl.shared import advantage_of, load_roles_policy, read_advantages, role_builder, role_groups, save_roles_policy, training_sets
+from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device, placement
-from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train
+from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train, train_speed
 
 Item = tuple[str, list[int], list[int], float]
 """(role, ids, mask over the output, advantage)."""
@@ -33,7 +34,7 @@ def actor_step(model, micro: list[list[Item]], beta: float, max_weight: float, r
             ids, attn = pad_ids([x for _, x, _, _ in group], pad_id, device)
             mask, _ = pad_ids([m for _, _, m, _ in group], 0, device)
             adv = torch.tensor([a for *_, a in group], device=device)
-            logp = sequence_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids, mask)
+            logp = sequence_logprobs(target_logprobs(model, ids, mask, attention_mask=attn), mask)
             loss = (advantage_pg_loss(logp, adv) if repo_compat else awr_loss(logp, adv, beta, max_weight)) * len(group) / total
             loss.backward()
             sums["loss"] += loss.item()
@@ -56,7 +57,7 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
     start = time.perf_counter()
     curve = train(model, items, cfg, lambda it: len(it[1]),
                   lambda micro: actor_step(model, micro, cfg.beta, cfg.max_weight, hrl.repo_compat, tok.pad_token_id, separate), "policy",
-                  checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, data_dir, collected_dir, advantage_dir))
+                  checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, data_dir, collected_dir, advantage_dir), run=params.train)
     elapsed = time.perf_counter() - start
     save_roles_policy(model, out, previous_dir)
     metrics = {
@@ -69,6 +70,7 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
         "weight_clipped": float((weights >= cfg.max_weight).float().mean()),
         "repo_compat": hrl.repo_compat,
         "train_seconds": elapsed,
+        **train_speed(model, curve, params.train),
         **placement(model),
     }
     write_json(metrics_path, metrics)
