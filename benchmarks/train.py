@@ -5,7 +5,9 @@ initial adapter: `max-length` pads every window to `model.context_tokens` (a fix
 `padded` pads each micro-batch, in shuffled order, to its longest window; `bucketed` sorts each
 optimiser batch by length first (what `train` does for every trainer); `packed` also packs each
 micro-batch into rows of `model.context_tokens` tokens (`bc.pack`); `unpadded` runs one window per
-forward pass (micro-batches of 1, `bc.micro_batch_size: 1`), so nothing is padded. Tokens/s counts real tokens only.
+forward pass (micro-batches of 1, `bc.micro_batch_size: 1`), so nothing is padded. Each computes the loss
+from log-probs at the action tokens alone (`target_logprobs`); `full logits` is `bucketed` with the loss
+made from the model's whole (B, T, V) logits, as the trainers did before. Tokens/s counts real tokens only.
 The benchmark fails if the first step's loss differs between them.
 
     python -m benchmarks.train [--workspace runs/quickstart] [--steps 30] [--batch-size 8] [--micro-batch-size 4]
@@ -36,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     from qevolve.models.policy import load_policy
     from qevolve.models.prompt import PromptBuilder
     from qevolve.models.prompt import build_examples
+    from qevolve.algos.losses import token_logprobs
+    from qevolve.models.base import target_logprobs
     from qevolve.stages.bc import bc_step
+
+    def full_logits(model, ids, mask, **inputs):  # the loss before target_logprobs: every position's logits
+        return token_logprobs(model(input_ids=ids, use_cache=False, **inputs).logits, ids)
 
     ws = args.workspace
     params = workspace_params(ws, ("models/base", "data/experts"))
@@ -49,12 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     order = [rng.randrange(len(examples)) for _ in range(args.steps * args.batch_size)]
     plans = {}
     width = params.model.context_tokens
-    for name in ("max-length", "padded", "bucketed", "packed", "unpadded"):
+    for name in ("max-length", "padded", "bucketed", "full logits", "packed", "unpadded"):
         steps = []
         micro = 1 if name == "unpadded" else args.micro_batch_size
         for i in range(args.steps):
             batch = [examples[j] for j in order[i * args.batch_size : (i + 1) * args.batch_size]]
-            if name in ("bucketed", "packed"):
+            if name in ("bucketed", "full logits", "packed"):
                 batch.sort(key=lambda e: len(e[0]))
             steps.append([batch[k : k + micro] for k in range(0, len(batch), micro)])
         plans[name] = steps
@@ -67,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                     p.copy_(start_state[n])
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=params.bc.lr)
         pack_tokens = params.model.context_tokens if name == "packed" else 0
+        import qevolve.stages.bc as bc_module
+
+        bc_module.target_logprobs = full_logits if name == "full logits" else target_logprobs
         model.train()
         losses, start = [], time.perf_counter()
         for micro in steps:
@@ -81,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n{args.steps} BC optimiser steps of {args.batch_size} windows (micro-batches of {args.micro_batch_size}) from "
           f"{len(examples)} expert windows of <= {params.model.context_tokens} tokens\n")
-    print(f"{'batching':<10}{'seconds':>9}{'tok/s':>9}{'speed-up':>10}{'first loss':>12}{'last loss':>11}")
+    print(f"{'batching':<12}{'seconds':>9}{'tok/s':>9}{'speed-up':>10}{'first loss':>12}{'last loss':>11}")
     for name, r in results.items():
-        print(f"{name:<10}{r['seconds']:>9.1f}{r['tok_per_s']:>9.0f}{r['tok_per_s'] / results['max-length']['tok_per_s']:>9.2f}x"
+        print(f"{name:<12}{r['seconds']:>9.1f}{r['tok_per_s']:>9.0f}{r['tok_per_s'] / results['max-length']['tok_per_s']:>9.2f}x"
               f"{r['first']:>12.5f}{r['last']:>11.4f}")
     same = max(abs(r["first"] - results["padded"]["first"]) for r in results.values())
     print("\nspeed-up: tokens/s against max-length padding")

@@ -25,11 +25,17 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     stages = results["pipeline"]["stages"]
     assert list(stages) == ["experts", "base", "bc", "evaluate@0", "collect@1", "relabel@1", "critic@1", "advantage@1", "policy@1", "evaluate@1"]
     assert all(s["device"] == "cpu" for name, s in stages.items() if name in ("bc", "critic@1", "policy@1", "evaluate@1"))
-    assert results["throughput"]["train_tokens_s"] > 0 and results["throughput"]["score_candidates_s"] > 0
+    assert results["hub_kernels"]["ok"] and results["training"]["train_tokens_s"] > 0
+    assert results["scoring"]["engine_candidates_s"] > 0 and results["vllm"] == {"skipped": "vllm is not installed"}
+    generation = results["generation"]
+    assert set(generation) == {f"{e}_{n}" for e in ("hf_reencode", "hf_reuse", "engine", "engine_compiled") for n in (8, 16)}
+    assert all("error" not in row and row["tokens_s"] > 0 for row in generation.values()), generation
+    # the compiled step is one graph: far fewer operators per decode step than the eager engines
+    assert generation["engine_compiled_16"]["launches_per_decode_step"] < generation["engine_16"]["launches_per_decode_step"] / 2
     dist = results["distributed"]
     assert all(dist[k]["ok"] for k in ("one_rank_on_device", "cpu_one_process", "cpu_two_ranks"))
     assert dist["two_ranks_max_loss_diff"] < 1e-5
-    assert "## Throughput" in (tmp_path / "gpu_check.md").read_text()
+    assert "## generation" in (tmp_path / "gpu_check.md").read_text()
 
 
 @pytest.mark.slow

@@ -217,11 +217,11 @@ class SlotEngine(HFBackend):
         values written at `write_at` (R,); attention over the first `window` positions. Logits (R, V)."""
         seen = torch.arange(window, device=ids.device)[None, :]
         mask = ((seen < pos[:, None]) | (seen == write_at[:, None]) | (seen == 0))[:, None, None, :]  # (R, 1, 1, window)
-        slot_of = torch.arange(self.keys[0].shape[0], device=ids.device)[rows][:, None]
+        slots, heads = self.keys[0].shape[:2]
+        index = (torch.arange(slots, device=ids.device)[rows][:, None], torch.arange(heads, device=ids.device)[None, :], write_at[:, None])
 
         def attend(i):
             def run(q, k, v, scale):
-                index = (slot_of, torch.arange(k.shape[1], device=ids.device)[None, :], write_at[:, None])
                 self.keys[i].index_put_(index, k[:, :, 0])
                 self.values[i].index_put_(index, v[:, :, 0])
                 K, V = self._rows(self.keys[i], rows, window), self._rows(self.values[i], rows, window)
