@@ -337,6 +337,9 @@ class TrainRunConfig(Section):
     """Size each trainer's micro-batches by tokens instead of by `micro_batch_size`: as many of an optimiser
     batch's windows (sorted by length) as fit in this many padded tokens, at least one. The update is the
     same (each loss is normalised over the whole batch); a GPU's memory and speed want a token budget. 0: off."""
+    checkpoint_activations: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them (gradient
+    checkpointing): far less memory for about a third more compute (`benchmarks/loss_memory.py`)."""
     compile: bool = False
     """Compile each decoder layer with `torch.compile` for training (the first steps of a run are slower
     while it compiles; sequence lengths vary, so it compiles for dynamic shapes)."""

@@ -236,9 +236,11 @@ def train(
     (same config, data lengths and `inputs`, the stage's `input_digest`) resumes from it instead of
     starting over; the result is the same as an uninterrupted run's. The caller deletes the checkpoint
     once its artifact is written.
-    `run` (the `train` section): micro-batches by token budget, compiled decoder layers.
+    `run` (the `train` section): micro-batches by token budget, activation checkpointing, compiled decoder layers.
     Returns the curve: one dict of metrics per optimiser step, with its real tokens and seconds."""
     run = run or TrainRunConfig()
+    if run.checkpoint_activations:
+        checkpoint_activations(model)
     if run.compile:
         compile_layers(model)
     rng = random.Random(cfg.seed)
@@ -337,6 +339,15 @@ def train(
                 save(epoch, 0, epoch_rng)
     model.eval()
     return curve
+
+
+def checkpoint_activations(model: torch.nn.Module) -> None:
+    """Have every transformers model inside `model` recompute its decoder layers' activations in the backward
+    pass (non-reentrant checkpointing, which needs no input that requires a gradient)."""
+    for module in model.modules():
+        if getattr(module, "supports_gradient_checkpointing", False) and hasattr(module, "gradient_checkpointing_enable"):
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            return
 
 
 def compile_layers(model: torch.nn.Module) -> None:
