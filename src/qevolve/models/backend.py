@@ -2,15 +2,18 @@
 
 `RolloutBackend` is the seam: `score` (log-likelihood of candidate continuations, for `admissible` mode)
 and `generate` (sampled or greedy continuations, for `free` mode), both for a batch of prompts, each
-prompt tied to a `slot` (a place where episodes run one after another).
+prompt tied to a `slot` (a place where episodes run one after another). Rollouts run on
+`qevolve.models.engine.SlotEngine` (slot-resident keys and values), on vLLM (`vllm_backend`), or on
+`HFBackend`, defined here.
 
-`HFBackend` runs a Hugging Face causal LM in this process. With `reuse=True` it keeps each slot's KV
+`HFBackend` runs a Hugging Face causal LM through its own forward. With `reuse=True` it keeps each slot's KV
 cache between calls and encodes only the tokens after the longest prefix the new prompt shares with the
 cached one: across the turns of one episode that is just the last action and the new observation; after
 history truncation or a new episode it is everything after the shared head. Slots of different lengths
-are batched by left-padding their caches. With `reuse=False` every call encodes every prompt in full,
-which is the baseline the `rollout` benchmark compares against. A vLLM backend for GPU machines would
-implement the same two methods.
+are batched by left-padding their caches (a copy in and out per slot and layer every turn). With
+`reuse=False` every call encodes every prompt in full: the reference path that the engine is tested
+against, and the baseline the `rollout` benchmark compares with. Both share the token loop (`decode`) and
+the sampler (`draw`).
 """
 
 from __future__ import annotations
