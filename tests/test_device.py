@@ -124,3 +124,14 @@ def test_no_model_ever_runs_hub_kernels(tiny_base, tmp_path, monkeypatch):
     finally:
         dist.destroy_process_group()
     assert calls == []
+
+
+def test_the_bf16_peak_is_read_off_the_gpus_exact_model(monkeypatch):
+    from qevolve.models import device as device_module
+
+    names = {"NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0, "NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H200": 989.0,
+             "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA GeForce RTX 4090": 0.0}
+    for name, peak in names.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d, name=name: name)
+        assert device_module.peak_tflops(torch.device("cuda", 0)) == peak, name
+    assert device_module.peak_tflops(torch.device("cpu")) == 0.0

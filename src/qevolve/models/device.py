@@ -42,12 +42,14 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
     return getattr(torch, setting)
 
 
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
-"""Dense bf16 peaks by GPU name (the vendors' datasheets, without sparsity)."""
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
+"""Dense bf16 peaks by GPU name (the vendors' datasheets, without sparsity); the first name contained in the
+device's name counts, so the PCIe and NVL H100s come before the SXM one ("NVIDIA H100 80GB HBM3")."""
 
 
 def peak_tflops(device: torch.device) -> float:
-    """The device's dense bf16 peak in TFLOP/s where its name is in `PEAK_BF16_TFLOPS`, else 0."""
+    """The device's dense bf16 peak in TFLOP/s where its name contains a key of `PEAK_BF16_TFLOPS`, else 0
+    (then give it as `train.peak_tflops` or `--peak-tflops`)."""
     if device.type != "cuda":
         return 0.0
     name = torch.cuda.get_device_name(device)
