@@ -32,7 +32,7 @@ from qevolve.cli import summary_table
 from qevolve.config import load_params
 from qevolve.data.atomic import write_json
 from qevolve.envs import check_data
-from qevolve.errors import UserError, debugging, report
+from qevolve.errors import UserError, debugging, inside, report
 from qevolve.lock import workspace_lock
 from qevolve.stages import iteration_stages, pipeline, stage_name
 from tasks import run_pipeline_stage
@@ -160,7 +160,7 @@ def experiment_workspace(profile: str = "", iterations: int | None = None, overr
     from flows.table import prepare, set_dotted
     from qevolve.config import parse_params
 
-    source = ROOT / "profiles" / f"{profile}.yaml" if profile else ROOT / "params.yaml"
+    source = inside(ROOT / "profiles", f"{profile}.yaml", "profile") if profile else ROOT / "params.yaml"
     if not source.exists():
         known = sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml"))
         raise SystemExit(f"profile {profile!r}: no {source}; expected one of {known}")
@@ -170,7 +170,7 @@ def experiment_workspace(profile: str = "", iterations: int | None = None, overr
         set_dotted(raw, key, value)
     params = parse_params(raw, f"{source.name} with {changes}" if changes else source)
     digest = hashlib.sha256(json.dumps(changes, sort_keys=True).encode()).hexdigest()[:8]
-    root = ROOT / "runs" / (name or (profile or "params") + (f"-{digest}" if changes else ""))
+    root = inside(ROOT / "runs", name or (profile or "params") + (f"-{digest}" if changes else ""), "workspace")
     prepare(root, raw)
     shop = params.env.data_dir
     if params.env.name == "webshop" and shop == "data/webshop-synthetic" and not (root / shop / "items_human_ins.json").exists():

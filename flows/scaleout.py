@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from qevolve.config import ConfigError
 from qevolve.data.atomic import atomic_path
+from qevolve.errors import BadName, inside
 
 ROOT = Path(__file__).resolve().parent.parent
 FILE = "scaleout.yaml"
@@ -129,6 +131,25 @@ def carried_files(root: Path, name: str) -> dict[str, str]:
     return {f: (root / f).read_text() for f in ("params.yaml", "dvc.yaml", "dvc.lock", *uncached) if (root / f).exists()}
 
 
+CARRIED = re.compile(r"params\.yaml|dvc\.yaml|dvc\.lock|metrics/[A-Za-z0-9][A-Za-z0-9@._-]{0,99}\.json")
+"""The files a worker accepts from a flow run's parameters (`carried_files`): nothing else is written."""
+
+
+def worker_root(workspace: str) -> Path:
+    """A worker's folder for the orchestrator's workspace `workspace`, which must be the 16 hex digits
+    `dispatch` sends: a flow-run parameter, so anything else is refused before anything is written."""
+    if not isinstance(workspace, str) or not re.fullmatch(r"[0-9a-f]{16}", workspace):
+        raise BadName(f"remote_stage: workspace {workspace!r} is not a workspace id (16 hexadecimal digits)")
+    return inside(Path(os.environ.get("QEVOLVE_WORKER_DIR") or Path.home() / ".qevolve" / "workers"), workspace, "remote_stage: workspace")
+
+
+def carried_path(root: Path, rel: str) -> Path:
+    """Where a carried file goes in the worker's folder `root`: only the names `CARRIED` allows."""
+    if not isinstance(rel, str) or not CARRIED.fullmatch(rel) or ".." in rel:
+        raise BadName(f"remote_stage: files: {rel!r} is not a file a stage carries (params.yaml, dvc.yaml, dvc.lock, metrics/*.json)")
+    return root / rel
+
+
 def dispatch(root: Path, stage: str, iteration: int | None, pool: str, remote: Remote) -> str:
     """Run the stage on `pool`'s worker (a sub-flow of the calling flow) after pushing its inputs, and
     wait for it; the flow run's id, or an error unless it completed. Each call is a new flow run, so a
@@ -170,19 +191,20 @@ def remote_stage(stage: str, iteration: int | None, files: dict[str, str], code:
     from qevolve.stages import stage_name
     from tasks import compute_stage, dvc_repo, push_stage, remote_errors, restore_from_run_cache
 
+    root = worker_root(workspace)  # flow-run parameters: checked before anything is written
+    files = {carried_path(root, rel): text for rel, text in files.items()}
     log = get_run_logger()
     name = stage_name(stage, iteration)
     mine = code_digest(ROOT / SRC)
     if mine != code:
         raise RuntimeError(f"{name}: this worker's code (src digest {mine[:12]}) is not the orchestrator's ({code[:12]}); "
                            f"run the worker from the same commit: DVC keys the stage's run by its code")
-    root = Path(os.environ.get("QEVOLVE_WORKER_DIR") or Path.home() / ".qevolve" / "workers") / workspace
     root.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(root / SRC, ignore_errors=True)
     shutil.copytree(ROOT / SRC, root / SRC, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    for rel, text in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(root / rel) as tmp:
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
             tmp.write_text(text)
     if not (root / ".dvc").exists():
         import subprocess

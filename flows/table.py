@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from qevolve.config import ConfigError, parse_params
 from qevolve.data.atomic import atomic_path, write_json
+from qevolve.errors import inside
 from qevolve.recipe import methods
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -505,7 +506,7 @@ def table(spec_path: str, out: str | None = None, seeds: int | None = None, only
     for n, (name, seed) in enumerate(plan, 1):
         if spec.workspaces[name].match_env_steps:
             budgets[name] = budget(full, name, out_dir, env_steps)
-        root = out_dir / f"{name}-s{seed}"
+        root = inside(out_dir, f"{name}-s{seed}", f"{spec_path}: workspace")
         prepare(root, workspace_params(spec, name, seed, budgets.get(name)), out_dir / "dvc-cache")
         print(f"[table] {n}/{len(plan)}: {name} seed {seed} in {root}", flush=True)
         try:

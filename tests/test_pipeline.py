@@ -303,6 +303,28 @@ def test_a_profile_runs_in_its_own_workspace_and_leaves_the_checkout_alone(tmp_p
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(["webshop", tuned.name])  # nothing written for the bad one
 
 
+def test_a_workspace_or_profile_name_cannot_leave_its_folder(tmp_path, monkeypatch):
+    """`--workspace ..` (or the Prefect form's `name`) once made `prepare()` delete the checkout's own src/."""
+    import flows.evolve
+    from qevolve.errors import BadName
+
+    shutil.copytree(REPO / "profiles", tmp_path / "profiles")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "keep.py").write_text("x = 1\n")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "link").symlink_to(tmp_path)  # a link out of runs/
+    monkeypatch.setattr(flows.evolve, "ROOT", tmp_path)
+    for name in ("..", "../..", "/tmp/x", ".hidden", "a/b", "link", "x" * 101, "a b"):
+        with pytest.raises(BadName, match=r"workspace: .* (is not a plain name|leads outside)"):
+            flows.evolve.experiment_workspace("textcraft", name=name)
+    for profile in ("../params", "/etc/passwd", "../../x"):
+        with pytest.raises(BadName, match="profile: "):
+            flows.evolve.experiment_workspace(profile)
+    assert (tmp_path / "src" / "keep.py").read_text() == "x = 1\n" and sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["link"]
+    assert flows.evolve.experiment_workspace("textcraft", name="my-run_1.b") == tmp_path / "runs" / "my-run_1.b"
+    assert flows.evolve.main(["--profile", "textcraft", "--workspace", ".."]) == 2  # the command line says why, no traceback
+
+
 def test_the_experiment_forms_profile_is_a_menu_of_the_profiles_and_each_field_is_described():
     from prefect.utilities.callables import parameter_schema
 

@@ -316,3 +316,26 @@ def test_mlflow_on_postgresql_keeps_the_evolution_and_its_artifacts_go_to_s3_thr
         assert again.info.run_id == parent.info.run_id and again.info.status == "FINISHED" and "evaluate/test/success_rate" in again.data.metrics
     finally:
         mlflow.set_tracking_uri(None)
+
+
+def test_a_worker_writes_only_the_files_a_stage_carries_into_a_workspace_id_it_checked(tmp_path, monkeypatch):
+    """`remote_stage`'s parameters come from whoever can create a flow run: a workspace that is not the 16 hex digits
+    `dispatch` sends, or a file name other than params.yaml, dvc.yaml, dvc.lock and metrics/*.json, is refused before
+    anything is written."""
+    from flows.scaleout import ROOT as REPO_ROOT, SRC, carried_path, code_digest, remote_stage, worker_root
+    from qevolve.errors import BadName
+
+    monkeypatch.setenv("QEVOLVE_WORKER_DIR", str(tmp_path / "workers"))
+    code = code_digest(REPO_ROOT / SRC)
+    for workspace in ("../../x", "/tmp", "0123456789abcdeF", "0123456789abcde", "..", ""):
+        with pytest.raises(BadName, match="is not a workspace id"):
+            remote_stage.fn("bc", None, {"params.yaml": ""}, code, {}, workspace)
+    for name in ("/etc/passwd", "../evil.pth", "src/qevolve/__init__.py", "metrics/../../x.json", "metrics/a/b.json", "dvc.yaml/x",
+                 ".dvc/config", "metrics/.json"):
+        with pytest.raises(BadName, match="is not a file a stage carries"):
+            remote_stage.fn("bc", None, {"params.yaml": "", name: "x"}, code, {}, "0123456789abcdef")
+    assert not (tmp_path / "workers").exists()  # nothing written
+    root = worker_root("0123456789abcdef")
+    assert root == tmp_path / "workers" / "0123456789abcdef"
+    assert [carried_path(root, n).relative_to(root).as_posix() for n in ("params.yaml", "dvc.lock", "metrics/evaluate@0.json", "metrics/bc_curve.json")] == \
+        ["params.yaml", "dvc.lock", "metrics/evaluate@0.json", "metrics/bc_curve.json"]

@@ -20,6 +20,29 @@ class DamagedArtifact(UserError):
             "itself when it finds an output changed); `dvc repro <stage>` rebuilds it")
 
 
+class BadName(UserError, ValueError):
+    """A name from a person or a flow-run parameter that would leave its folder."""
+
+    hint = "names are letters, digits, '.', '_' and '-', starting with a letter or digit, at most 100 characters"
+
+
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}"
+
+
+def inside(parent, name: str, what: str):
+    """`parent / name`, after checking that `name` is a plain name (`NAME_PATTERN`, no '..') and that the path,
+    links resolved, stays inside `parent`: a workspace name, a worker's workspace id."""
+    import re
+    from pathlib import Path
+
+    if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name) or ".." in name:
+        raise BadName(f"{what}: {name!r} is not a plain name")
+    path = Path(parent) / name
+    if not path.resolve().is_relative_to(Path(parent).resolve()):
+        raise BadName(f"{what}: {name!r} leads outside {parent} (a link?)")
+    return path
+
+
 def artifact(path, problem: str) -> DamagedArtifact:
     """The error for the artifact at `path` (`models/policy@2`, `data/collect@1/...`): names it and the
     stage that wrote it (outputs are named after their stage; under GRPO `online@k` writes `models/policy@k`)."""
