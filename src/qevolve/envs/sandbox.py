@@ -2,14 +2,19 @@
 episode folder mounted at /app, one command at a time (../shared/research/terminaltraj.md, section 2).
 
 Backends (`env.terminal.sandbox`):
-- `bwrap` (the default): bubblewrap, no daemon. No network (`--unshare-all`), the system read-only, its
-  own user (uid 1000), a tmpfs /tmp of `tmp_mb`, its own PID namespace (`--die-with-parent`: nothing
-  outlives the episode), memory (`ulimit -v`) and file-size (`ulimit -f`) limits, and a process limit
-  through a pids cgroup where this host lets us make one (root with cgroup v1 `pids` or v2), else
-  `ulimit -u`. The Python that runs qevolve (its venv and base prefix) is bound read-only, for validators.
+- `bwrap` (the default): bubblewrap, no daemon. No network (`--unshare-all`), the system read-only, a
+  minimal /etc (the loader's files and stub passwd/group: none of the host's secrets), uid 1000 inside,
+  which is this host's user, or when qevolve runs as root an unprivileged host uid (`SANDBOX_UID`,
+  nobody's, inside too), so root-only host files stay unreadable; a tmpfs /tmp of `tmp_mb`, its own PID namespace
+  (`--die-with-parent`: nothing outlives the episode), memory (`ulimit -v` per process) and file-size
+  (`ulimit -f`) limits, and caps on the whole sandbox through cgroups where this host lets us make them
+  (root with cgroup v1 `pids` and `memory`, or v2): processes and memory; else `ulimit -u` (which holds:
+  the sandbox never runs as root). The Python that runs qevolve (its venv and base prefix) is bound
+  read-only, for validators. As root, bwrap makes no user namespace (its uid 1000 would be host root):
+  it sets the sandbox up as root and the shell drops to nobody (`setpriv`, every capability gone).
 - `docker`: a container of `env.terminal.image` (which must hold bash, python3 and pytest: images are not
   pulled) with the episode folder at /app, no network, a read-only root, a tmpfs /tmp, every capability
-  dropped, memory, process and file-size limits, run as this host's user; a timed-out command's
+  dropped, memory, process and file-size limits, run as this host's user (nobody's when that is root); a timed-out command's
   processes are killed from inside (`docker exec … kill -9 -1`: everything but the shell, PID 1), and
   closing removes the container.
 - `local`: bash in the episode folder with no isolation at all, for tests and trusted tasks; refused unless
@@ -32,6 +37,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -45,6 +51,44 @@ BACKENDS = ("bwrap", "docker", "local")
 ANSI = re.compile(rb"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 GRACE_S = 2.0
 """How long a killed command's shell gets to print its sentinel before the sandbox is restarted."""
+SANDBOX_UID = 65534
+"""The host uid and gid a sandbox runs as when qevolve runs as root (nobody's): never root."""
+ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "nsswitch.conf", "localtime")
+"""What of the host's /etc a bwrap sandbox sees (the loader's files and links); passwd and group are stubs."""
+PASSWD = "root:x:0:0:root:/root:/usr/sbin/nologin\nagent:x:1000:1000:agent:/app:/bin/bash\nnobody:x:65534:65534:nobody:/app:/bin/bash\n"
+GROUP = "root:x:0:\nagent:x:1000:\nnogroup:x:65534:\n"
+
+
+def host_uid() -> int:
+    """The host uid a sandbox runs as: this process's, or `SANDBOX_UID` when that is root."""
+    return SANDBOX_UID if os.geteuid() == 0 else os.geteuid()
+
+
+def hand_over(folder: Path) -> None:
+    """Make `folder` (and everything in it, links not followed) the sandbox user's, so it can write there."""
+    uid = host_uid()
+    if uid == os.geteuid():
+        return
+    for root, dirs, files in os.walk(folder):
+        for name in [*dirs, *files]:
+            os.chown(os.path.join(root, name), uid, uid, follow_symlinks=False)
+    os.chown(folder, uid, uid)
+
+
+def read_regular(path: Path, limit: int = 16 << 20) -> bytes:
+    """The bytes of `path`, which must be a regular file of at most `limit` bytes: never through a link, and
+    never blocking on a FIFO or a device a sandbox may have left in its place."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as err:
+        raise ValueError(f"{path}: cannot be opened as a plain file ({err.strerror})") from None
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path}: larger than {limit} bytes")
+    return data
 
 
 class SandboxError(UserError, RuntimeError):
@@ -136,15 +180,21 @@ class _Capture:
 
 
 class Session:
-    """A persistent bash in a sandbox over `workdir` (mounted at /app under bwrap and docker)."""
+    """A persistent bash in a sandbox over `workdir` (mounted at /app under bwrap and docker). `mounts`:
+    more host folders as (host path, path inside, writable); `where` says where the shell sees them."""
 
-    def __init__(self, backend: str, workdir: Path, limits: Limits = Limits(), output_bytes: int = 10_000, image: str = ""):
+    def __init__(self, backend: str, workdir: Path, limits: Limits = Limits(), output_bytes: int = 10_000, image: str = "",
+                 mounts: tuple[tuple[Path, str, bool], ...] = ()):
         why = available(backend, image)
         if why:
             raise SandboxError(f"env.terminal.sandbox: {why}")
         self.backend, self.workdir, self.limits, self.output_bytes, self.image = backend, Path(workdir).resolve(), limits, output_bytes, image
+        self.mounts = tuple((Path(host).resolve(), inside, writable) for host, inside, writable in mounts)
         self.container = f"qevolve-{os.getpid()}-{secrets.token_hex(6)}" if backend == "docker" else None
-        self.cgroup = _pids_cgroup(limits.processes) if backend == "bwrap" else None
+        self.cgroups = _cgroups(limits) if backend == "bwrap" else []
+        if backend != "local":  # the sandbox's user writes there
+            for folder in [self.workdir, *(host for host, _, writable in self.mounts if writable)]:
+                hand_over(folder)
         self.proc: subprocess.Popen | None = None
         self._start()
 
@@ -153,38 +203,78 @@ class Session:
         """The working directory as the shell sees it."""
         return str(self.workdir) if self.backend == "local" else "/app"
 
+    def where(self, inside: str) -> str:
+        """Where the shell sees the mount whose path inside is `inside` (the host path under `local`)."""
+        return next(str(host) for host, path, _ in self.mounts if path == inside) if self.backend == "local" else inside
+
     @property
     def python(self) -> str:
         """The Python the validators run with inside: the image's, or the one running qevolve."""
         return "python3" if self.backend == "docker" else sys.executable
 
-    def _argv(self) -> list[str]:
+    def _argv(self, fds: list[int]) -> list[str]:
+        """The command that starts the sandbox's shell; descriptors it needs open are appended to `fds`."""
         shell = ["bash", "--noprofile", "--norc"]
         if self.backend == "local":
             return shell
         if self.backend == "docker":
-            lim = self.limits
+            lim, uid = self.limits, host_uid()
+            mounts = [a for host, inside, rw in self.mounts for a in ("-v", f"{host}:{inside}{'' if rw else ':ro'}")]
             return ["docker", "run", "--rm", "-i", "--name", self.container, "--network", "none", "--read-only", "--cap-drop", "ALL",
-                    "--security-opt", "no-new-privileges", "--user", f"{os.getuid()}:{os.getgid()}", "--memory", f"{lim.memory_mb}m",
+                    "--security-opt", "no-new-privileges", "--user", f"{uid}:{uid}", "--memory", f"{lim.memory_mb}m",
                     "--pids-limit", str(lim.processes), "--ulimit", f"fsize={lim.file_mb << 20}", "--tmpfs", f"/tmp:size={lim.tmp_mb}m",
-                    "-v", f"{self.workdir}:/app", "-w", "/app", "-e", "HOME=/app", "-e", "LANG=C.UTF-8", self.image, *shell]
-        binds = []
-        for prefix in dict.fromkeys([sys.prefix, sys.base_prefix]):  # the Python validators run with
-            binds += ["--ro-bind", prefix, prefix]
-        return ["bwrap", "--ro-bind", "/usr", "/usr", "--ro-bind", "/bin", "/bin", "--ro-bind", "/lib", "/lib", "--ro-bind-try", "/lib64", "/lib64",
-                "--ro-bind", "/etc", "/etc", "--proc", "/proc", "--dev", "/dev", "--size", str(self.limits.tmp_mb << 20), "--tmpfs", "/tmp",
-                *binds, "--bind", str(self.workdir), "/app", "--chdir", "/app", "--unshare-all", "--unshare-user", "--uid", "1000", "--gid", "1000",
+                    "-v", f"{self.workdir}:/app", *mounts, "-w", "/app", "-e", "HOME=/app", "-e", "LANG=C.UTF-8", self.image, *shell]
+
+        def data(text: str, inside: str) -> list[str]:
+            read, write = os.pipe()
+            os.write(write, text.encode())
+            os.close(write)
+            fds.append(read)
+            return ["--perms", "0644", "--ro-bind-data", str(read), inside]
+
+        system = [d for d in ("/usr", "/bin", "/lib", "/lib64") if os.path.exists(d)]
+        binds = [a for d in system for a in ("--ro-bind", d, d)]
+        binds += ["--perms", "0755", "--dir", "/etc"]
+        binds += [a for name in ETC if os.path.lexists(f"/etc/{name}") for a in ("--ro-bind", f"/etc/{name}", f"/etc/{name}")]
+        made: set[str] = set()
+        for host, inside, writable in [*((p, p, False) for p in dict.fromkeys([sys.prefix, sys.base_prefix])), *self.mounts]:
+            if any(Path(inside).is_relative_to(d) for d in system):
+                continue  # a system Python: already there
+            for parent in reversed(Path(inside).parents[:-1]):  # bwrap would make them 0700 where the host's are
+                if str(parent) not in made:
+                    made.add(str(parent))
+                    binds += ["--perms", "0755", "--dir", str(parent)]
+            binds += ["--bind" if writable else "--ro-bind", str(host), str(inside)]
+        if os.geteuid() == 0:  # no user namespace (it would map to root): bwrap sets up as root, then the shell drops to nobody
+            user = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+                    "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+            shell = ["setpriv", "--reuid", str(SANDBOX_UID), "--regid", str(SANDBOX_UID), "--clear-groups", "--inh-caps=-all",
+                     "--bounding-set=-all", *shell]
+        else:
+            user = ["--unshare-all", "--unshare-user", "--disable-userns", "--uid", "1000", "--gid", "1000"]
+        return ["bwrap", *binds, *data(PASSWD, "/etc/passwd"), *data(GROUP, "/etc/group"), "--proc", "/proc", "--dev", "/dev",
+                "--perms", "1777", "--size", str(self.limits.tmp_mb << 20), "--tmpfs", "/tmp", "--bind", str(self.workdir), "/app", "--chdir", "/app", *user,
                 "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/app",
                 "--setenv", "LANG", "C.UTF-8", *shell]
 
+    def _enter(self) -> None:
+        """In the sandbox's process before it runs bwrap: join the cgroups."""
+        for group in self.cgroups:
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+
     def _start(self) -> None:
-        cgroup = self.cgroup
-        preexec = (lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid()))) if cgroup else None
+        cgroup = self.cgroups
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.workdir), "LANG": "C.UTF-8"}
         if self.backend == "docker":  # the client's settings (DOCKER_HOST, ...); the container gets none of them
             env = dict(os.environ)
-        self.proc = subprocess.Popen(self._argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=self.workdir,
-                                     env=env, start_new_session=True, preexec_fn=preexec)
+        fds: list[int] = []
+        try:
+            self.proc = subprocess.Popen(self._argv(fds), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         cwd="/" if self.backend == "bwrap" else self.workdir, env=env, start_new_session=True,
+                                         pass_fds=fds, preexec_fn=self._enter if self.backend == "bwrap" else None)
+        finally:
+            for fd in fds:
+                os.close(fd)
         self.marker = f"\x1e{secrets.token_hex(8)}:".encode()
         self.chunks: queue.Queue[bytes] = queue.Queue()
         threading.Thread(target=self._read, args=(self.proc, self.chunks), daemon=True).start()
@@ -192,7 +282,7 @@ class Session:
         limits = [f"ulimit -v {self.limits.memory_mb << 10}", f"ulimit -f {self.limits.file_mb << 10}"]  # bash counts KiB
         if self.backend == "docker":
             limits = []  # the container's own limits
-        if self.backend == "bwrap" and cgroup is None:
+        if self.backend == "bwrap" and not cgroup:  # no pids cgroup: a per-user cap, which holds since the sandbox is never root
             limits.append(f"ulimit -u {self.limits.processes}")
         setup = self._exchange("; ".join(["exec 2>&1", *limits, "echo $$"]), 30.0, restart=False)
         if setup.status != 0 or not setup.output.strip().isdigit():
@@ -284,14 +374,14 @@ class Session:
     def close(self) -> None:
         """End the sandbox and everything in it."""
         self._stop()
-        if self.cgroup is not None:
+        for group in self.cgroups:
             for _ in range(50):  # the sandbox's processes leave it as the kernel reaps them
                 try:
-                    self.cgroup.rmdir()
+                    group.rmdir()
                     break
                 except OSError:
                     time.sleep(0.02)
-            self.cgroup = None
+        self.cgroups = []
 
     def _stop(self) -> None:
         if self.container and self.proc is not None:  # killing the client leaves the container running
@@ -344,19 +434,35 @@ def _comm(pid: int) -> str:
         return ""
 
 
-def _pids_cgroup(limit: int) -> Path | None:
-    """A fresh pids cgroup capped at `limit` processes, where this host lets us make one; else None."""
-    for root in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup")):
-        if not (root / "cgroup.procs").exists() or not os.access(root, os.W_OK):
-            continue
-        group = root / f"qevolve-{os.getpid()}-{secrets.token_hex(4)}"
-        try:
-            group.mkdir()
-            (group / "pids.max").write_text(str(limit))
-            return group
-        except OSError:
+def _cgroups(limits: Limits) -> list[Path]:
+    """Fresh cgroups capping a sandbox's processes (`pids.max`) and, where the controller is there, its memory
+    as a whole (`memory.limit_in_bytes`, v2 `memory.max`), where this host lets us make them; else none."""
+    memory = str(limits.memory_mb << 20)
+    pids = _cgroup(Path("/sys/fs/cgroup/pids"), {"pids.max": str(limits.processes)})  # cgroup v1
+    if pids is not None:
+        return [pids] + [g for g in [_cgroup(Path("/sys/fs/cgroup/memory"), {"memory.limit_in_bytes": memory})] if g is not None]
+    unified = _cgroup(Path("/sys/fs/cgroup"), {"pids.max": str(limits.processes)}, {"memory.max": memory})  # v2
+    return [unified] if unified is not None else []
+
+
+def _cgroup(root: Path, settings: dict[str, str], optional: dict[str, str] | None = None) -> Path | None:
+    """A new cgroup under `root` with `settings` written (and `optional` where they can be), or None."""
+    if not (root / "cgroup.procs").exists() or not os.access(root, os.W_OK):
+        return None
+    group = root / f"qevolve-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        group.mkdir()
+        for name, value in settings.items():
+            (group / name).write_text(value)
+        for name, value in (optional or {}).items():
             try:
-                group.rmdir()
+                (group / name).write_text(value)
             except OSError:
                 pass
-    return None
+        return group
+    except OSError:
+        try:
+            group.rmdir()
+        except OSError:
+            pass
+        return None
