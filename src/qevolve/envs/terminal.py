@@ -14,14 +14,23 @@ An episode is a persistent shell in a sandbox (`qevolve.envs.sandbox`, `env.term
 one command, or `submit`. The observation is the command's output and its exit status. The valid actions
 it lists, for `policy.action_mode: admissible`, are the task's own candidate commands (`candidates`). A step is invalid
 (relabel's "rejected") when the command is empty or does not parse, is not found (status 127) or timed out.
-When the agent submits, reaches `env.max_steps` or the wall clock, `tests/` is copied in and run with
-pytest in the same sandbox: won = every test passed; the reward is 1/0, or the share passed
-(`env.terminal.partial_reward`). The per-test results are in the last step's `info`.
+When the agent submits, reaches `env.max_steps` or the wall clock, the validators run, and inherit nothing
+from the agent (`_validate`): its sandbox is closed first, which ends every process it started; a fresh
+sandbox over the same /app, with a clean environment and a new shell (no variables, functions or aliases
+of the agent's), runs the task's `tests/`, bound read-only at /tests from a copy the agent never saw, with
+Python in isolated mode (nothing from /app or the environment on its path) and pytest's configuration,
+rootdir and conftest discovery confined to /tests (no plugin, ini file or conftest.py of /app counts).
+pytest writes its report into a folder only that sandbox sees, under a random name, and the host reads it
+only as a regular file. won = pytest exited 0 and every test passed; the reward is 1/0, or the share
+passed (`env.terminal.partial_reward`). A validation that cannot run, times out or crashes is a lost
+episode (`info["validation_error"]`), never a dropped one. The per-test results are in the last step's `info`.
+Residual risk: tests that import the agent's code run it in the validators' process.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -31,11 +40,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from qevolve.envs.base import Observation, Step, Task
-from qevolve.envs.sandbox import Limits, Session
+from qevolve.envs.sandbox import Limits, Session, read_regular
 
 SUBMIT = "submit"
 EXPERTS = ("oracle",)
-REPORT = ".qevolve-validators.xml"
 
 
 class TaskError(ValueError):
@@ -95,10 +103,10 @@ def _parses(command: str) -> bool:
     return done.returncode == 0 and not done.stderr
 
 
-def test_results(report: Path) -> dict[str, str]:
+def test_results(report: bytes) -> dict[str, str]:
     """pytest's JUnit XML -> test name -> passed | failed | error | skipped."""
     out = {}
-    for case in ET.parse(report).iter("testcase"):
+    for case in ET.fromstring(report).iter("testcase"):
         kinds = [c.tag for c in case if c.tag in ("failure", "error", "skipped")]
         out[f"{case.get('classname', '')}::{case.get('name', '')}"] = {"failure": "failed"}.get(kinds[0], kinds[0]) if kinds else "passed"
     return out
@@ -124,10 +132,10 @@ class TerminalEnv:
         self.episode_dir = Path(tempfile.mkdtemp(prefix="qevolve-terminal-"))
         env_dir = self.folder / "environment"
         if env_dir.is_dir():
-            shutil.copytree(env_dir, self.episode_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("setup.sh"))
+            # links are copied as links: they resolve inside the sandbox, never to a host file's content
+            shutil.copytree(env_dir, self.episode_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("setup.sh"), symlinks=True)
+        self.session = self._sandbox()
         cfg = self.cfg
-        self.session = Session(cfg.sandbox, self.episode_dir, Limits(cfg.memory_mb, cfg.processes, cfg.file_mb, cfg.tmp_mb), cfg.output_bytes,
-                               cfg.image)
         setup = env_dir / "setup.sh"
         if setup.is_file():
             done = self.session.run(f"(\n{setup.read_text()}\n)", cfg.command_timeout * 4)
@@ -164,22 +172,57 @@ class TerminalEnv:
             return self._validate("timeout", text, valid)
         return Step(text, 0.0, False, False, valid, list(self.candidates))
 
+    def _sandbox(self, mounts: tuple = ()) -> Session:
+        cfg = self.cfg
+        return Session(cfg.sandbox, self.episode_dir, Limits(cfg.memory_mb, cfg.processes, cfg.file_mb, cfg.tmp_mb), cfg.output_bytes, cfg.image,
+                       mounts)
+
     def _validate(self, why: str, text: str = "", valid: bool = True) -> Step:
-        """Copy the validators in, run them, and end the episode."""
-        tests = self.episode_dir / "tests"
-        shutil.rmtree(tests, ignore_errors=True)
-        shutil.copytree(self.folder / "tests", tests)
-        report = self.episode_dir / REPORT
-        report.unlink(missing_ok=True)
-        run = self.session.run(f"cd {self.session.app} && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {self.session.python} -m pytest -q -p no:cacheprovider "
-                               f"--junitxml={self.session.app}/{REPORT} tests", self.meta["verifier_timeout"])
-        results = test_results(report) if report.is_file() else {}
+        """End the agent's sandbox (every process in it), run the validators in a fresh one, and end the episode;
+        a validation that fails to run is a lost episode."""
+        self.session.close()
+        self.session = None
+        results, status, timed_out, error = {}, None, False, ""
+        try:
+            results, status, timed_out, error = self._run_validators()
+        except Exception as err:  # noqa: BLE001 - whatever the agent left that breaks validation loses the episode
+            error = f"{type(err).__name__}: {err}"[:300]
         passed = sum(v == "passed" for v in results.values())
-        won = bool(results) and passed == len(results)
+        won = bool(results) and passed == len(results) and status == 0
         reward = 1.0 if won else (passed / len(results) if results and self.cfg.partial_reward else 0.0)
-        self.info = {"ended": why, "tests": results, "tests_passed": passed, "tests_total": len(results), "validator_timed_out": run.timed_out}
-        summary = f"[episode ended ({why}): {passed}/{len(results)} tests passed]"
+        self.info = {"ended": why, "tests": results, "tests_passed": passed, "tests_total": len(results), "validator_timed_out": timed_out,
+                     **({"validation_error": error} if error else {})}
+        summary = f"[episode ended ({why}): {passed}/{len(results)} tests passed{'; validation failed' if error else ''}]"
         return Step(f"{text}\n{summary}".strip(), reward, True, won, valid)
+
+    def _run_validators(self) -> tuple[dict[str, str], int, bool, str]:
+        """(results, pytest's exit status, timed out, what went wrong): the task's tests in a fresh sandbox over
+        /app (the module docstring)."""
+        with tempfile.TemporaryDirectory(prefix="qevolve-validate-") as tmp:
+            tests, report, config = Path(tmp) / "tests", Path(tmp) / "report", Path(tmp) / "config"
+            shutil.copytree(self.folder / "tests", tests, symlinks=True)
+            config.mkdir()
+            (config / "pytest.ini").write_text("[pytest]\n")
+            report.mkdir()
+            for folder in (tests, config, Path(tmp)):
+                folder.chmod(0o755)  # readable by the sandbox's user
+            for path in tests.rglob("*"):
+                if not path.is_symlink():
+                    path.chmod(0o755 if path.is_dir() else 0o644)
+            name = f"{secrets.token_hex(8)}.xml"
+            session = self._sandbox(((tests, "/tests", False), (config, "/qevolve", False), (report, "/report", True)))
+            try:
+                inside = session.where
+                run = session.run(f"cd {session.app} && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {session.python} -I -m pytest -q -p no:cacheprovider "
+                                  f"-c {inside('/qevolve')}/pytest.ini --rootdir {inside('/tests')} --confcutdir {inside('/tests')} "
+                                  f"--junitxml {inside('/report')}/{name} {inside('/tests')}", self.meta["verifier_timeout"])
+            finally:
+                session.close()
+            try:
+                return test_results(read_regular(report / name)), run.status, run.timed_out, ""
+            except (ValueError, ET.ParseError) as err:  # no report, or not one pytest wrote
+                why = f"timed out after {self.meta['verifier_timeout']:g} s" if run.timed_out else f"pytest exited with status {run.status}"
+                return {}, run.status, run.timed_out, f"no validators' report ({why}): {err}"[:300]
 
     def expert_action(self) -> str | None:
         return self.plan[0] if self.plan else None

@@ -197,31 +197,39 @@ def sqlite(rng: random.Random) -> Spec:
 
 
 def service(rng: random.Random) -> Spec:
+    """A service the validators start themselves: every process of the agent's ends before they run (the
+    environment's trust boundary), so what the agent leaves is a script that serves, not a running server."""
     port, token = rng.randint(8000, 8999), f"{rng.choice(WORDS)}-{rng.randint(0, 99999)}"
+    serve = f"python3 -m http.server {port} --bind 127.0.0.1 --directory www"
     return Spec(
-        "service", f"Serve the www/ directory over HTTP on 127.0.0.1 port {port}, in the background so that it keeps running, and write the "
-                   f"server's process id to server.pid.",
+        "service", f"Write an executable script serve.sh that, when run, serves the www/ directory over HTTP on 127.0.0.1 port {port} "
+                   f"and keeps running in the foreground.",
         {"www/index.html": f"<p>{token}</p>\n"},
         _tests(f"""
             import urllib.request
 
-            def test_pid_is_running():
-                os.kill(int(Path("server.pid").read_text().strip()), 0)
-
             def test_serves_www():
-                for _ in range(30):
-                    try:
-                        with urllib.request.urlopen("http://127.0.0.1:{port}/index.html", timeout=2) as r:
-                            assert {token!r} in r.read().decode()
+                assert os.access("serve.sh", os.X_OK), "serve.sh is not executable"
+                server = subprocess.Popen(["./serve.sh"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                try:
+                    for _ in range(50):
+                        try:
+                            with urllib.request.urlopen("http://127.0.0.1:{port}/index.html", timeout=2) as r:
+                                assert {token!r} in r.read().decode()
+                            assert server.poll() is None, "serve.sh does not keep running in the foreground"
                             return
-                    except OSError:
-                        time.sleep(0.1)
-                raise AssertionError("nothing answers on port {port}")
+                        except OSError:
+                            assert server.poll() is None, "serve.sh exited"
+                            time.sleep(0.1)
+                    raise AssertionError("nothing answers on port {port}")
+                finally:
+                    os.killpg(server.pid, 9)
             """),
-        [f"python3 -m http.server {port} --bind 127.0.0.1 --directory www > /dev/null 2>&1 & echo $! > server.pid"],
-        [[f"python3 -m http.server {port + 1} --bind 127.0.0.1 --directory www > /dev/null 2>&1 & echo $! > server.pid",
-          f"python3 -m http.server {port} --bind 127.0.0.1 > /dev/null 2>&1 & echo $! > server.pid",
-          f"python3 -m http.server {port} --bind 127.0.0.1 --directory www > /dev/null 2>&1 &"]],
+        [f"printf '#!/bin/bash\\nexec {serve}\\n' > serve.sh", "chmod +x serve.sh"],
+        [[f"printf '#!/bin/bash\\nexec python3 -m http.server {port + 1} --bind 127.0.0.1 --directory www\\n' > serve.sh",
+          f"printf '#!/bin/bash\\nexec python3 -m http.server {port} --bind 127.0.0.1\\n' > serve.sh",
+          f"printf '#!/bin/bash\\n{serve} &\\n' > serve.sh"],
+         ["chmod 644 serve.sh"]],
     )
 
 
