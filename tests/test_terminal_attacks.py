@@ -1,0 +1,204 @@
+"""The terminal environment's trust boundary, tried as a hostile agent would: each attack is one episode through
+`TerminalEnv` on bubblewrap, on a task the agent does not solve (answer.txt must hold 42; it never writes it).
+Every attack must end as a lost episode with the host untouched. An honest agent wins the same task, so a
+loss is the validators' verdict, not a broken setup. Each defence's test fails on this machine without it
+(run as root, as here, the sandbox is nobody; the loopback server and host paths below are real)."""
+
+import os
+import shutil
+import socket
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from qevolve.config import TerminalConfig
+from qevolve.envs.terminal import SUBMIT, TerminalEnv
+
+if shutil.which("bwrap") is None:
+    if os.environ.get("CI"):
+        pytest.fail("bubblewrap is not installed: the terminal trust-boundary tests must run in CI (scripts/setup.sh installs it)",
+                    pytrace=False)
+    pytest.skip("bubblewrap is not installed (scripts/setup.sh installs it where it can)", allow_module_level=True)
+
+PASSING_REPORT = '<testsuites><testsuite name="pytest" tests="1"><testcase classname="tests.test_outputs" name="test_answer"/></testsuite></testsuites>'
+HOOK = ["import pytest", "@pytest.hookimpl(hookwrapper=True)", "def pytest_runtest_makereport(item, call):",
+        "    outcome = yield", "    outcome.get_result().outcome = 'passed'"]
+
+
+def lines(path: str, *content: str) -> str:
+    """A command that writes `content` as lines to `path`."""
+    return "printf '%s\\n' " + " ".join("'" + c.replace("'", "'\"'\"'") + "'" for c in content) + f" > {path}"
+
+
+@pytest.fixture(scope="module")
+def task_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("tasks")
+    folder = root / "train" / "answer"
+    (folder / "tests").mkdir(parents=True)
+    (folder / "environment").mkdir()
+    (folder / "solution").mkdir()
+    (folder / "instruction.md").write_text("Write 42 into answer.txt.\n")
+    (folder / "task.toml").write_text('[metadata]\ncategory = "text"\n[verifier]\ntimeout_sec = 10\n')
+    (folder / "environment" / "notes.txt").write_text("nothing here\n")
+    (folder / "solution" / "solve.sh").write_text("echo 42 > answer.txt\n")
+    (folder / "tests" / "test_outputs.py").write_text(textwrap.dedent("""
+        from pathlib import Path
+
+        def test_answer():
+            assert Path("/app/answer.txt").read_text().strip() == "42"
+    """))
+    return root
+
+
+def play(task_root: Path, commands: list[str], command_timeout: float = 10.0):
+    env = TerminalEnv(str(task_root), TerminalConfig(command_timeout=command_timeout, processes=64), max_steps=len(commands) + 1)
+    try:
+        env.reset(env.tasks("train")[0])
+        outputs = [env.step(c).observation for c in commands]
+        last = env.step(SUBMIT)
+        return last, outputs, dict(env.info)
+    finally:
+        env.close()
+
+
+def assert_lost(last, info):
+    assert last.done and not last.won and last.reward == 0.0, info
+
+
+def test_an_honest_agent_wins(task_root):
+    last, _, info = play(task_root, ["echo 42 > answer.txt"])
+    assert last.won and last.reward == 1.0 and info["tests_passed"] == 1 and "validation_error" not in info
+
+
+def test_a_module_shadowing_the_test_runner_does_not_run(task_root):
+    last, _, info = play(task_root, [
+        lines("pytest.py", "import sys", "sys.exit(0)"), "mkdir -p _pytest && cp pytest.py _pytest/__init__.py",
+        lines("sitecustomize.py", "import os; os._exit(0)"), lines("usercustomize.py", "import os; os._exit(0)"),
+        lines("evil.pth", "import os; os._exit(0)")])
+    assert_lost(last, info)
+    assert info["tests_total"] == 1, "pytest itself ran and found the real test"
+
+
+def test_conftest_ini_and_pyproject_hooks_in_app_are_not_loaded(task_root):
+    last, _, info = play(task_root, [
+        lines("conftest.py", *HOOK), lines("evil.py", *HOOK),
+        lines("pytest.ini", "[pytest]", "pythonpath = .", "addopts = -p evil"),
+        lines("pyproject.toml", "[tool.pytest.ini_options]", "pythonpath = ['.']", "addopts = '-p evil'"),
+        "cp pytest.ini tox.ini && cp pytest.ini setup.cfg && sed -i 's/\\[pytest\\]/[tool:pytest]/' setup.cfg"])
+    assert_lost(last, info)
+
+
+def test_the_agents_environment_variables_do_not_reach_the_validators(task_root):
+    last, _, info = play(task_root, [
+        lines("evil.py", *HOOK), "export PYTHONPATH=/app PYTEST_PLUGINS=evil PYTEST_ADDOPTS='-p evil'"])
+    assert_lost(last, info)
+
+
+def test_shell_functions_and_aliases_do_not_reach_the_validators(task_root):
+    last, _, info = play(task_root, [
+        lines("fake.sh", f"echo '{PASSING_REPORT}' > /app/.qevolve-validators.xml"),  # where the validators' report once was
+        f"function {sys.executable} {{ bash /app/fake.sh; }}",
+        "python3() { return 0; }; pytest() { return 0; }; cd() { return 0; }; export -f python3 pytest cd",
+        "alias python3=true pytest=true; shopt -s expand_aliases"])
+    assert_lost(last, info)
+
+
+def test_background_jobs_do_not_outlive_the_agent_or_race_the_validators(task_root):
+    marker = f"qevolve-attack-{os.getpid()}"
+    last, _, info = play(task_root, [
+        lines("race.sh", "while true; do", f"  echo '{PASSING_REPORT}' > /app/.qevolve-validators.xml", "  echo 42 > /app/late.txt",
+              "  sleep 0.01", "done"),
+        f"(exec -a {marker} bash /app/race.sh) > /dev/null 2>&1 &", f"setsid nohup bash -c 'exec -a {marker}-2 bash /app/race.sh' > /dev/null 2>&1 & disown"])
+    assert_lost(last, info)
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and marker.encode() in _cmdline(p)]
+    assert not left, "the agent's background jobs were ended before the validators ran"
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_links_and_fifos_where_the_host_once_read_or_copied_lead_nowhere(task_root, tmp_path):
+    host = tmp_path / "host-dir"
+    host.mkdir()
+    (host / "keep.txt").write_text("host file\n")
+    start = time.monotonic()
+    last, _, info = play(task_root, [
+        f"ln -s {host} tests && ln -s {host}/keep.txt .qevolve-validators.xml && ln -s /etc/passwd report.xml",
+        "mkfifo answer.txt fifo.xml && ln -s /app/fifo.xml /app/r.xml"])
+    assert_lost(last, info)
+    assert sorted(p.name for p in host.iterdir()) == ["keep.txt"] and (host / "keep.txt").read_text() == "host file\n"
+    assert time.monotonic() - start < 60, "a FIFO where a file is read blocks nothing on the host"
+
+
+def test_a_report_written_in_advance_is_never_read(task_root):
+    last, _, info = play(task_root, [
+        *(f"echo '{PASSING_REPORT}' > {p}" for p in ("report.xml", "/tmp/report.xml", "junit.xml")),
+        "mkdir -p report tests .qevolve-validators.xml && cp report.xml report/ && cp report.xml tests/ && cp report.xml .qevolve-validators.xml/"])
+    assert_lost(last, info)
+    assert info["tests"] == {"tests.test_outputs::test_answer": "failed"} or info["tests"].get("test_outputs::test_answer") == "failed"
+
+
+def test_host_secrets_are_not_readable_inside(task_root):
+    secret = Path("/etc/shadow").read_text().splitlines()[0] if os.access("/etc/shadow", os.R_OK) else "root:"
+    last, outputs, info = play(task_root, ["cat /etc/shadow /etc/gshadow /root/.bashrc 2>&1; ls /etc 2>&1", "cat /proc/1/environ 2>&1 | tr '\\0' ' '"])
+    assert_lost(last, info)
+    assert secret not in outputs[0] and "shadow" not in outputs[0].split("\n")[-1]
+
+
+def test_a_loopback_server_on_the_host_cannot_be_reached(task_root):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.2)
+    port, accepted, stop = server.getsockname()[1], [], threading.Event()
+
+    def accept():
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept())
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        last, outputs, info = play(task_root, [
+            f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 2).sendall(b'leak')\" 2>&1 | tail -1",
+            f"echo leak > /dev/tcp/127.0.0.1/{port}; echo status $?", "ls /sys/class/net 2>&1; cat /proc/net/dev | tail -n +3"])
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        server.close()
+    assert_lost(last, info)
+    assert accepted == [], "the sandbox reached the host's loopback"
+    assert "Connection refused" in outputs[0] or "Network is unreachable" in outputs[0]
+    assert all(not line.strip() or line.split(":")[0].strip() == "lo" for line in outputs[2].splitlines()[1:] if ":" in line)
+
+
+def test_writes_outside_app_never_reach_the_host(task_root):
+    marker = f"qevolve-attack-{os.getpid()}"
+    targets = [Path("/tmp") / marker, Path(sys.prefix) / marker, Path("/usr/local") / marker, Path("/root") / marker]
+    last, _, info = play(task_root, [" ; ".join(f"echo x > {t} 2>&1" for t in targets) + "; true"])
+    assert_lost(last, info)
+    assert not any(t.exists() for t in targets)
+
+
+def test_a_fork_bomb_is_contained_and_loses(task_root):
+    start = time.monotonic()
+    last, outputs, info = play(task_root, [":(){ :|:& };:", "echo still here"], command_timeout=3.0)
+    assert_lost(last, info)
+    assert time.monotonic() - start < 90
+
+
+def test_whatever_breaks_validation_loses_instead_of_dropping_the_episode(task_root):
+    last, _, info = play(task_root, ["ln -s /nonexistent tests && chmod 000 /app"])  # the host once copied the tests to /app/tests
+    assert_lost(last, info)
+    assert "validation_error" in info or info["tests"] == {} or info["tests_passed"] == 0
