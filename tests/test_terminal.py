@@ -521,6 +521,43 @@ def test_admissible_mode_offers_the_oracle_its_mistakes_a_look_and_submit(tmp_pa
                          "evaluate": {"splits": {"test": 0}}, "policy": {"action_mode": "admissible"}}).policy.action_mode == "admissible"
 
 
+def test_nothing_a_task_folder_or_repository_holds_brings_a_host_file_in(tmp_path):
+    """An imported task's Dockerfile COPY from an absolute or `..` source, or a link in a task folder or a source
+    repository, once copied a host file into the task's data (and into an LLM author's prompt)."""
+    import json
+
+    from qevolve.cli import main
+    from qevolve.methods.terminaltraj.author import _skipped, context
+
+    secret = tmp_path / "host-secret.txt"
+    secret.write_text("HOST-SECRET-42\n")
+    src = tmp_path / "src"
+    for name, line in (("abs-copy", f"COPY {secret} /app/s.txt"), ("dotdot-copy", "COPY ../../../host-secret.txt /app/s.txt")):
+        t = _task(src, name, split=".")
+        (t / "environment" / "Dockerfile").write_text(f"FROM ubuntu:24.04\nWORKDIR /app\n{line}\n")
+    (_task(src, "env-link", split=".") / "environment" / "s.txt").symlink_to(secret)
+    solution = _task(src, "solution-link", split=".") / "solution" / "solve.sh"
+    solution.unlink()
+    solution.symlink_to(secret)
+    (_task(src, "inner-link", split=".") / "environment" / "again").symlink_to("README")  # a link inside the folder is fine
+    dest = tmp_path / "tasks"
+    assert main(["terminal-import", str(src), str(dest), "--sandbox", "local", "--no-gate"]) == 0
+    report = json.loads((dest / "test" / "import.json").read_text())
+    assert {k: v["status"] for k, v in report.items()} == {"abs-copy": "unsupported", "dotdot-copy": "unsupported", "env-link": "unsupported",
+                                                          "solution-link": "unsupported", "inner-link": "imported"}, report
+    assert "leads outside the build context" in report["abs-copy"]["reason"] and "outside the task folder" in report["env-link"]["reason"]
+    assert not any("HOST-SECRET" in p.read_text() for p in dest.rglob("*") if p.is_file() and not p.is_symlink())
+
+    repo = tmp_path / "sources" / "tool"
+    repo.mkdir(parents=True)
+    (repo / "tool.py").write_text("print('hi')\n")
+    (repo / "notes.md").symlink_to(secret)
+    (repo / "up").symlink_to(tmp_path)
+    text = context(repo, 100_000)
+    assert "tool.py" in text and "HOST-SECRET" not in text and "notes.md" not in text
+    assert _skipped(str(repo), ["tool.py", "notes.md", "up", ".git"]) == {"notes.md", "up", ".git"}
+
+
 def test_an_llm_writes_tasks_from_source_repositories_and_the_gate_judges_them(tmp_path, fake_chat):
     import json
     import tomllib

@@ -20,6 +20,7 @@ passes again) unless asked not to. `DEST/<split>/import.json` lists every task w
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import re
 import shlex
@@ -80,6 +81,19 @@ def _programs(command: str) -> list[str]:
     return names
 
 
+def outward_links(folder: Path) -> list[Path]:
+    """The links under `folder` (itself included) that lead outside it: copying or reading through one would
+    bring a host file's content into a task (and so into its data, or an LLM's prompt)."""
+    root = folder.resolve()
+    found = [folder] if folder.is_symlink() else []
+    for top, dirs, files in os.walk(folder):  # links to folders are listed, not entered
+        for name in [*dirs, *files]:
+            path = Path(top) / name
+            if path.is_symlink() and not path.resolve().is_relative_to(root):
+                found.append(path)
+    return found
+
+
 def translate(dockerfile: Path) -> tuple[list[tuple[Path, str]], list[str]]:
     """What a Dockerfile amounts to under the sandbox: (files to copy, as (source, path under /app), setup
     commands), or `NeedsDocker` naming the line that needs the image."""
@@ -111,6 +125,8 @@ def translate(dockerfile: Path) -> tuple[list[tuple[Path, str]], list[str]]:
             for src in sources:
                 if re.match(r"^\w+://", src) or not (context / src).exists():
                     raise NeedsDocker(f"{where}: {src} is not a file of the build context")
+                if Path(src).is_absolute() or not (context / src).resolve().is_relative_to(context.resolve()):
+                    raise ValueError(f"{where}: {src} leads outside the build context {context}")
                 into = (context / src).is_file() and (len(sources) > 1 or dst.endswith("/") or not rel)
                 files.append((context / src, f"{rel}/{Path(src).name}".strip("/") if into else rel))  # a folder: its contents
         elif word == "RUN":
@@ -156,6 +172,9 @@ def _task_toml(meta: dict) -> str:
 def convert(folder: Path, out: Path) -> None:
     """Write `folder` (a task) as a terminal task at `out`, or raise `NeedsDocker` / `ValueError` (unsupported)."""
     parts = _layout(folder)
+    links = outward_links(folder)
+    if links:
+        raise ValueError(f"{links[0]}: a link leading outside the task folder ({len(links)} in all)")
     tests = sorted((folder / "tests").glob("test_*.py")) if (folder / "tests").is_dir() else []
     if not tests:
         raise ValueError(f"{folder / 'tests'}: no pytest validators (test_*.py)")
@@ -177,13 +196,13 @@ def convert(folder: Path, out: Path) -> None:
     for src, rel in files:
         target = env / rel if rel else env
         if src.is_dir():
-            shutil.copytree(src, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("Dockerfile", "docker-compose.yaml"))
+            shutil.copytree(src, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("Dockerfile", "docker-compose.yaml"), symlinks=True)
         else:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, target)
     if setup:
         (env / "setup.sh").write_text("\n".join(setup) + "\n")
-    shutil.copytree(folder / "tests", out / "tests", ignore=shutil.ignore_patterns("test.sh", "__pycache__"))
+    shutil.copytree(folder / "tests", out / "tests", ignore=shutil.ignore_patterns("test.sh", "__pycache__"), symlinks=True)
     (out / "solution").mkdir()
     shutil.copy2(parts["solution"], out / "solution" / "solve.sh")
     (out / "instruction.md").write_text(instruction.strip() + "\n")

@@ -12,6 +12,7 @@ judges the rest exactly as it judges the template families' tasks."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -51,17 +52,27 @@ def repositories(sources: Path) -> list[Path]:
     return repos
 
 
+def _files(repo: Path) -> list[Path]:
+    """The repository's files, links left out: what a link leads to (a host file) is never read or copied."""
+    out = []
+    for top, dirs, files in os.walk(repo):  # links to folders are listed, not entered
+        for name in files:
+            path = Path(top) / name
+            if not path.is_symlink() and path.is_file() and not SKIP & set(path.relative_to(repo).parts):
+                out.append(path)
+    return sorted(out)
+
+
 def _text_files(repo: Path) -> Iterator[Path]:
-    for path in sorted(repo.rglob("*")):
-        rel = path.relative_to(repo)
-        if path.is_file() and not SKIP & set(rel.parts) and (path.suffix.lower() in TEXT or path.name in NAMED):
+    for path in _files(repo):
+        if path.suffix.lower() in TEXT or path.name in NAMED:
             yield path
 
 
 def context(repo: Path, budget: int) -> str:
     """The repository as the model reads it: its file list, then its text files in order until `budget`
-    characters (the last one cut)."""
-    files = [p for p in sorted(repo.rglob("*")) if p.is_file() and not SKIP & set(p.relative_to(repo).parts)]
+    characters (the last one cut). Links are left out."""
+    files = _files(repo)
     parts = [f"Repository {repo.name}, files:\n" + "\n".join(str(p.relative_to(repo)) for p in files)]
     left = budget - len(parts[0])
     for path in _text_files(repo):
@@ -71,6 +82,11 @@ def context(repo: Path, budget: int) -> str:
         parts.append(f"\n--- {path.relative_to(repo)} ---\n{body}")
         left -= len(body)
     return "\n".join(parts)
+
+
+def _skipped(folder: str, names: list[str]) -> set[str]:
+    """What the task's environment does not take from the repository: `SKIP`'s folders, and links."""
+    return {n for n in names if n in SKIP or os.path.islink(os.path.join(folder, n))}
 
 
 def _strings(value, key: str) -> list[str]:
@@ -109,7 +125,7 @@ def author(cfg, repo: Path, text: str, attempt: int, folder: Path) -> str:
     except ValueError:
         return "unusable"
     write_task(spec, folder)
-    shutil.copytree(repo, folder / "environment", dirs_exist_ok=True, ignore=shutil.ignore_patterns(*SKIP))
+    shutil.copytree(repo, folder / "environment", dirs_exist_ok=True, ignore=_skipped)
     source = f'\n[source]\nrepository = {json.dumps(repo.name)}\ndomain = {json.dumps(spec.extra["domain"])}\n'
     (folder / "task.toml").write_text((folder / "task.toml").read_text() + source)
     return ""
