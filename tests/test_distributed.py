@@ -4,6 +4,7 @@ the children of a workspace-lock holder inherit its lock."""
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,52 @@ def test_lock_is_not_inherited_by_a_process_that_is_not_a_child(tmp_path, monkey
     finally:
         holder.kill()
         holder.wait()
+
+
+RANK = """
+import os, time
+from pathlib import Path
+from qevolve.lock import under_torchrun
+under_torchrun()  # what `qevolve.cli.main` does first in a rank
+Path(os.environ["BEATS"], os.environ["RANK"]).write_text(str(os.getpid()))
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_sigkilled_orchestrator_takes_torchrun_and_its_ranks_with_it(tmp_path):
+    """Killing the stage's process alone (not its process group: a SIGKILL to one pid, as an OOM killer or a
+    `kill -9` does) once left the ranks training into the workspace after the lock was released."""
+    import signal
+
+    (tmp_path / "rank.py").write_text(RANK)
+    orchestrator = ("import os, sys; from qevolve.stages import run_ranks; "
+                    f"run_ranks([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', {str(tmp_path / 'rank.py')!r}], "
+                    "dict(os.environ))")
+    env = {**os.environ, "BEATS": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.Popen([sys.executable, "-c", orchestrator], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len([p for p in tmp_path.iterdir() if p.name.isdigit()]) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "the ranks did not start"
+            time.sleep(0.2)
+        ranks = [int((tmp_path / r).read_text()) for r in ("0", "1")]
+        assert all(_alive(p) for p in ranks)
+        os.kill(proc.pid, signal.SIGKILL)  # the orchestrator alone
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in ranks), "a rank outlived the killed orchestrator"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -11,7 +11,7 @@ from pathlib import Path
 from qevolve import dvcfile, paths
 from qevolve.config import load_params
 from qevolve.errors import UserError, debugging, report
-from qevolve.lock import workspace_lock
+from qevolve.lock import under_torchrun, workspace_lock
 from qevolve.stages import run_stage
 
 
@@ -49,6 +49,7 @@ def summary_table(iterations: list[int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    under_torchrun()  # a trainer's rank dies with its torchrun (and that with the stage that started it)
     parser = argparse.ArgumentParser(prog="qevolve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run one pipeline stage in this workspace")

@@ -7,7 +7,9 @@ dies, even by SIGKILL, so a killed run never leaves a stale lock behind.
 
 A holder's child processes (the `torchrun` ranks of a multi-process trainer) inherit the lock: the
 holder puts `QEVOLVE_LOCK_HELD` in their environment (`inherit_env`), and a process whose ancestor is
-the holder named there works under that lock instead of being refused.
+the holder named there works under that lock instead of being refused. They also die with it: `torchrun`
+is started with the kernel's parent-death signal (`die_with_parent`), and so is each rank (`under_torchrun`),
+so a holder killed by SIGKILL, which releases the lock, leaves no rank writing into the workspace.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -69,6 +72,26 @@ def workspace_lock(root: Path | str, what: str) -> Iterator[None]:
             os.ftruncate(fd, 0)
     finally:
         os.close(fd)  # closing releases the flock
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when the thread that started it ends (Linux's PR_SET_PDEATHSIG),
+    and end now if that parent is already gone. For `preexec_fn`, or the first thing a child does."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent or parent == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def under_torchrun() -> None:
+    """In a rank that `torchrun` started (it sets TORCHELASTIC_RUN_ID): die with `torchrun`."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
 
 
 def inherit_env(root: Path | str) -> dict[str, str]:

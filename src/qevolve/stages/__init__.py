@@ -37,6 +37,14 @@ def pipeline(params: Params, iterations: int | None = None) -> list[tuple[str, i
     return [(s.name, k) for s, k in load_recipe(params.method).order(params, n)]
 
 
+def run_ranks(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
+    """Run `torchrun` (`cmd`) to its end; it is killed with this process (and each rank with it,
+    `qevolve.lock.under_torchrun`), so a SIGKILLed orchestrator leaves no rank behind."""
+    from qevolve.lock import die_with_parent
+
+    return subprocess.run(cmd, env=env, preexec_fn=die_with_parent)
+
+
 def launch_processes(stage: str, params: Params, iteration: int | None, params_file: Path) -> dict:
     """Run a trainer stage in `train.processes` processes (`torchrun --standalone`, this workspace as the
     working directory) and return its metrics. The children inherit this process's workspace lock
@@ -53,7 +61,7 @@ def launch_processes(stage: str, params: Params, iteration: int | None, params_f
         env = {**os.environ, **inherit_env(params_file.parent)}
         if resolve_device(params.model.device).type == "cpu":
             env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // n))
-        done = subprocess.run(cmd, env=env)
+        done = run_ranks(cmd, env)
     if done.returncode != 0:
         raise RuntimeError(f"{stage_name(stage, iteration)}: the {n} training processes failed (exit {done.returncode}); "
                            f"their output is above. Command: {' '.join(cmd)}")
