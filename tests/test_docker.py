@@ -15,23 +15,48 @@ from tests.test_pipeline import REPO
 DOCKER = REPO / "docker"
 
 
+def _compose(env: dict) -> dict:
+    """docker/compose.yaml as compose reads it with `env` (its .env): `${VAR:?message}` must be set (else a
+    ValueError naming it, as compose stops), `${VAR:-default}` falls back, `$$` is a literal `$`."""
+    import re
+
+    def value(m: re.Match) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        if env.get(name):
+            return env[name]
+        if op == ":?":
+            raise ValueError(f"required variable {name} is missing a value: {arg}")
+        return arg
+
+    text = (DOCKER / "compose.yaml").read_text()
+    text = re.sub(r"\$\{(\w+)(:\?|:-)([^}]*)\}", value, text.replace("$$", "\0")).replace("\0", "$")
+    return yaml.safe_load(text)
+
+
+ENV = {"POSTGRES_PASSWORD": "pg-pw", "MINIO_USER": "minio-user", "MINIO_PASSWORD": "minio-pw", "PREFECT_AUTH": "admin:prefect-pw"}
+
+
 def test_the_compose_stack_wires_the_services_the_code_reads(monkeypatch):
-    stack = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    stack = _compose(ENV)
     services = stack["services"]
     assert {"postgres", "minio", "buckets", "prefect", "mlflow", "worker", "orchestrator"} <= set(services)
     worker = services["worker"]
     assert worker["build"] == {"context": "..", "dockerfile": "docker/Dockerfile"}
     assert worker["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
-    assert services["prefect"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"].startswith("postgresql+asyncpg://qevolve:qevolve@postgres:5432/")
+    assert services["prefect"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"] == "postgresql+asyncpg://qevolve:pg-pw@postgres:5432/prefect"
+    assert services["postgres"]["environment"]["POSTGRES_PASSWORD"] == "pg-pw"
     mlflow = services["mlflow"]
     assert mlflow["environment"]["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
-    assert "--backend-store-uri postgresql+psycopg://qevolve:qevolve@postgres:5432/mlflow" in mlflow["command"]
+    assert "--backend-store-uri postgresql+psycopg://qevolve:pg-pw@postgres:5432/mlflow" in mlflow["command"]
     assert "--artifacts-destination s3://qevolve/mlflow" in mlflow["command"] and "--workers 1" in mlflow["command"]
     assert "CREATE DATABASE mlflow" in (DOCKER / "initdb.sql").read_text()
-    for name in ("worker", "orchestrator"):  # every machine reaches both servers and the object store
+    for name in ("worker", "orchestrator", "mlflow"):  # every machine reaches both servers and the object store, with the secrets
         env = services[name]["environment"]
         assert env["PREFECT_API_URL"] == "http://prefect:4200/api" and env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
-        assert env["AWS_ACCESS_KEY_ID"] == services["minio"]["environment"]["MINIO_ROOT_USER"]
+        assert (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]) == ("minio-user", "minio-pw")
+        assert env["PREFECT_API_AUTH_STRING"] == services["prefect"]["environment"]["PREFECT_SERVER_API_AUTH_STRING"] == "admin:prefect-pw"
+    assert services["minio"]["environment"] == {"MINIO_ROOT_USER": "minio-user", "MINIO_ROOT_PASSWORD": "minio-pw"}
+    assert 'mc alias set s3 http://minio:9000 "$MINIO_USER" "$MINIO_PASSWORD"' in services["buckets"]["entrypoint"][-1]
     # The orchestrator's routing: valid for Q-Evolve's stages, every pool served by the worker, the
     # remote in the bucket the stack creates, on the MinIO service.
     monkeypatch.setenv("QEVOLVE_SCALEOUT", services["orchestrator"]["environment"]["QEVOLVE_SCALEOUT"].replace("/opt/qevolve", str(REPO)))
@@ -39,6 +64,19 @@ def test_the_compose_stack_wires_the_services_the_code_reads(monkeypatch):
     assert set(settings.pools.values()) == {worker["environment"]["POOL"]}
     assert settings.remote.url.startswith("s3://qevolve/") and settings.remote.endpointurl == "http://minio:9000"
     assert "mc mb --ignore-existing s3/qevolve" in services["buckets"]["entrypoint"][-1]
+
+
+def test_the_compose_stack_has_no_default_secret_and_listens_on_loopback():
+    ports = [p for s in _compose(ENV)["services"].values() for p in s.get("ports", [])]
+    assert sorted(ports) == ["127.0.0.1:4200:4200", "127.0.0.1:5000:5000", "127.0.0.1:9000:9000", "127.0.0.1:9001:9001"]
+    assert all(p.startswith("0.0.0.0:") for s in _compose({**ENV, "QEVOLVE_BIND": "0.0.0.0"})["services"].values() for p in s.get("ports", []))
+    for missing in ENV:
+        with pytest.raises(ValueError, match=f"required variable {missing} is missing"):
+            _compose({k: v for k, v in ENV.items() if k != missing})
+    text = (DOCKER / "compose.yaml").read_text()
+    assert "qevolve-secret" not in text and "qevolve:qevolve@" not in text
+    example = dict(line.split("=", 1) for line in (DOCKER / ".env.example").read_text().splitlines() if "=" in line and not line.startswith("#"))
+    assert set(ENV) <= set(example) and all(example[k] == "" for k in ENV), ".env.example names every secret and sets none"
 
 
 def _engine() -> bool:
