@@ -35,11 +35,11 @@ def test_the_summary_table_gives_each_rate_its_standard_error_and_count_and_the_
     monkeypatch.chdir(tmp_path)
     (tmp_path / "metrics").mkdir()
     split = {"episodes": 24, "success_rate": 4 / 24, "avg_reward": 0.167, "avg_steps": 13.2, "invalid_rate": 0.0,
-             "output_tokens_per_episode": 107.2, "prompt_tokens_per_episode": 6001}
+             "output_tokens_per_episode": 107.2, "prompt_tokens_per_episode": 6001, "env_failures": 2}
     (tmp_path / "metrics" / "evaluate@0.json").write_text(json.dumps({"valid_seen": split}))
     (tmp_path / "metrics" / "critic@1.json").write_text(json.dumps({"v_mean_won": 0.5, "v_mean_lost": 0.2, "v_std": 0.25}))
     table = summary_table([0, 1])
     # p = 1/6, n = 24: sqrt(1/6 * 5/6 / 24) = 0.0761 -> 7.6%
     row = next(line for line in table.splitlines() if line.startswith("bc"))
-    assert row.split()[2:5] == ["16.7%", "7.6%", "4/24"]
+    assert row.split()[2:6] == ["16.7%", "7.6%", "4/24", "2"]  # and the 2 episodes the environment failed, beside the rate
     assert "critic@1: mean V on won episodes 0.500, on lost 0.200 (separation +0.300; V's std 0.250)" in table
