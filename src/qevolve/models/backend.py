@@ -51,6 +51,20 @@ def seeds_from(generators: list[torch.Generator] | None) -> list[int] | None:
     return None if generators is None else [int(torch.randint(2**62, (1,), generator=g)) for g in generators]
 
 
+def query_layout(reused: list[int], prompts: list[list[int]], extra: list[list[list[int]]]) -> tuple[list[list[int]], list]:
+    """What a pass encodes per prompt: its tokens after the `reused[b]` its cache holds, then the segments
+    `extra[b]`; and the layout, (suffix length, each segment's start) in query positions."""
+    queries, layout = [], []
+    for n, p, segs in zip(reused, prompts, extra):
+        q, starts = list(p[n:]), []
+        for seg in segs:
+            starts.append(len(q))
+            q += seg
+        queries.append(q)
+        layout.append((len(p) - n, starts))
+    return queries, layout
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -113,14 +127,7 @@ class HFBackend:
 
         reused = [self._reusable(s, p) for s, p in zip(slots, prompts)]
         past = max(n for n, _ in reused)
-        queries, layout = [], []
-        for (n, _), p, segs in zip(reused, prompts, extra):
-            q, starts = list(p[n:]), []
-            for seg in segs:
-                starts.append(len(q))
-                q += seg
-            queries.append(q)
-            layout.append((len(p) - n, starts))
+        queries, layout = query_layout([n for n, _ in reused], prompts, extra)
         B, Q = len(prompts), max(map(len, queries))
         # Built on the CPU (many small writes), then moved to the model's device in one copy each.
         ids = torch.full((B, Q), self.pad_id, dtype=torch.long)

@@ -34,7 +34,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from qevolve.models.backend import HFBackend, RolloutBackend, StopRule, _common_prefix, decode
+from qevolve.models.backend import HFBackend, RolloutBackend, StopRule, _common_prefix, decode, query_layout
 from qevolve.models.base import causal_lm
 
 log = logging.getLogger(__name__)
@@ -156,14 +156,7 @@ class SlotEngine(HFBackend):
         reused = [self._held(s, p) for s, p in zip(slots, prompts)]
         self._reserve(max(slots) + 1, max(map(len, prompts)) + reserve)
         past = max(reused)
-        queries, layout = [], []
-        for n, p, segs in zip(reused, prompts, extra):
-            q, starts = list(p[n:]), []
-            for seg in segs:
-                starts.append(len(q))
-                q += seg
-            queries.append(q)
-            layout.append((len(p) - n, starts))
+        queries, layout = query_layout(reused, prompts, extra)
         B, Q = len(prompts), max(map(len, queries))
         # Built as lists and made tensors in one call each: the operators a turn dispatches do not grow with its rows.
         ids, pos, segment, written = [], [], [], []  # segment: -1 prompt suffix, j candidate j, -2 padding
