@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import textwrap
 import time
 
@@ -42,6 +43,23 @@ def test_the_bwrap_sandbox_keeps_shell_state_and_isolates_the_system(tmp_path):
         assert s.run(f"test -e {__file__}; echo $?").output.strip() == "1", "the host's files are not there"
         assert s.run("python3 -c 'x = bytearray(4 << 30)' 2>&1 | tail -1").output.strip() == "MemoryError"
         assert s.run("false").status == 1 and s.run("nonexistent-cmd").status == 127
+    finally:
+        s.close()
+
+
+@needs_bwrap
+def test_a_mount_under_tmp_is_not_hidden_by_the_sandboxs_own_tmp(tmp_path):
+    """A checkout (and so the validators' Python) under /tmp, as CI's fresh clone is: once hidden by the tmpfs."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    (shared / "hello.txt").write_text("hi\n")
+    (shared / "hello.txt").chmod(0o644)
+    (tmp_path / "app").mkdir()
+    s = Session("bwrap", tmp_path / "app", mounts=((shared, "/tmp/deep/shared", False),))
+    try:
+        assert s.run("cat /tmp/deep/shared/hello.txt; touch /tmp/own && echo writable").output.split() == ["hi", "writable"]
+        assert s.run(f"{sys.executable} -I -c 'print(7)'").output.strip() == "7"
     finally:
         s.close()
 

@@ -236,6 +236,9 @@ class Session:
         binds = [a for d in system for a in ("--ro-bind", d, d)]
         binds += ["--perms", "0755", "--dir", "/etc"]
         binds += [a for name in ETC if os.path.lexists(f"/etc/{name}") for a in ("--ro-bind", f"/etc/{name}", f"/etc/{name}")]
+        binds += [*data(PASSWD, "/etc/passwd"), *data(GROUP, "/etc/group"), "--proc", "/proc", "--dev", "/dev",
+                  "--perms", "1777", "--size", str(self.limits.tmp_mb << 20), "--tmpfs", "/tmp"]
+        # then what lives under those (a venv under /tmp): mounted before, the tmpfs would hide it
         made: set[str] = set()
         for host, inside, writable in [*((p, p, False) for p in dict.fromkeys([sys.prefix, sys.base_prefix])), *self.mounts]:
             if any(Path(inside).is_relative_to(d) for d in system):
@@ -252,8 +255,7 @@ class Session:
                      "--bounding-set=-all", *shell]
         else:
             user = ["--unshare-all", "--unshare-user", "--disable-userns", "--uid", "1000", "--gid", "1000"]
-        return ["bwrap", *binds, *data(PASSWD, "/etc/passwd"), *data(GROUP, "/etc/group"), "--proc", "/proc", "--dev", "/dev",
-                "--perms", "1777", "--size", str(self.limits.tmp_mb << 20), "--tmpfs", "/tmp", "--bind", str(self.workdir), "/app", "--chdir", "/app", *user,
+        return ["bwrap", *binds, "--bind", str(self.workdir), "/app", "--chdir", "/app", *user,
                 "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/app",
                 "--setenv", "LANG", "C.UTF-8", *shell]
 
