@@ -189,6 +189,20 @@ def test_the_oracle_wins_a_do_nothing_agent_loses_and_the_tests_stay_hidden(tmp_
 
 
 @needs_bwrap
+def test_the_validators_see_the_tasks_own_variables_and_not_the_agents(tmp_path):
+    """A Dockerfile's ENV (an `export` line of setup.sh) holds for the validators, as in the task's image; what the
+    agent exports does not."""
+    t = _task(tmp_path / "tasks", tests="import os\n\ndef test_env():\n    assert os.environ['TASK_VAR'] == '3'\n    assert 'AGENT_VAR' not in os.environ\n")
+    (t / "environment" / "setup.sh").write_text("export TASK_VAR=3\nprintf 'a\\nb\\nc\\n' > data.txt\n")
+    env = TerminalEnv(str(tmp_path / "tasks"), TerminalConfig(), max_steps=5)
+    try:
+        _, steps = _play(env, env.tasks("train")[0], ["export AGENT_VAR=1", SUBMIT])
+        assert steps[-1].won, env.info
+    finally:
+        env.close()
+
+
+@needs_bwrap
 def test_a_hanging_validator_is_timed_out_and_loses(tmp_path):
     _task(tmp_path / "tasks", tests="import time\n\ndef test_hangs():\n    time.sleep(60)\n",
           toml='[metadata]\ncategory = "text"\n[verifier]\ntimeout_sec = 2\n')

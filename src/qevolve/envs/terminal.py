@@ -17,7 +17,7 @@ it lists, for `policy.action_mode: admissible`, are the task's own candidate com
 When the agent submits, reaches `env.max_steps` or the wall clock, the validators run, and inherit nothing
 from the agent (`_validate`): its sandbox is closed first, which ends every process it started; a fresh
 sandbox over the same /app, with a clean environment and a new shell (no variables, functions or aliases
-of the agent's), runs the task's `tests/`, bound read-only at /tests from a copy the agent never saw, with
+of the agent's; the task's own `export` lines of setup.sh, a Dockerfile's ENV, are set again), runs the task's `tests/`, bound read-only at /tests from a copy the agent never saw, with
 Python in isolated mode (nothing from /app or the environment on its path) and pytest's configuration,
 rootdir and conftest discovery confined to /tests (no plugin, ini file or conftest.py of /app counts).
 pytest writes its report into a folder only that sandbox sees, under a random name, and the host reads it
@@ -210,10 +210,13 @@ class TerminalEnv:
                 if not path.is_symlink():
                     path.chmod(0o755 if path.is_dir() else 0o644)
             name = f"{secrets.token_hex(8)}.xml"
+            setup = self.folder / "environment" / "setup.sh"  # the task's own variables (a Dockerfile's ENV), not the agent's
+            exports = [ln for ln in setup.read_text().splitlines() if ln.startswith("export ")] if setup.is_file() else []
             session = self._sandbox(((tests, "/tests", False), (config, "/qevolve", False), (report, "/report", True)))
             try:
                 inside = session.where
-                run = session.run(f"cd {session.app} && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {session.python} -I -m pytest -q -p no:cacheprovider "
+                run = session.run("".join(f"{e}; " for e in exports) +
+                                  f"cd {session.app} && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {session.python} -I -m pytest -q -p no:cacheprovider "
                                   f"-c {inside('/qevolve')}/pytest.ini --rootdir {inside('/tests')} --confcutdir {inside('/tests')} "
                                   f"--junitxml {inside('/report')}/{name} {inside('/tests')}", self.meta["verifier_timeout"])
             finally:
