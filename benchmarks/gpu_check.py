@@ -1,4 +1,4 @@
-"""GPU check: what a GPU machine gives this project, in about 5 minutes, with little beyond torch,
+"""GPU check: what a GPU machine gives this project, with little beyond torch,
 transformers and peft (the research note's section 5: ../shared/research/scaleout.md).
 
 1. inventory: the device, its memory and compute capability, the library versions;
@@ -274,7 +274,7 @@ def scoring(device: torch.device, shape: str) -> dict:
     prompts = [torch.randint(1, dims["vocab_size"], (400,)).tolist() for _ in range(slots)]
     cands = [[torch.randint(1, dims["vocab_size"], (8,)).tolist() for _ in range(20)] for _ in range(slots)]
     out = {}
-    for name, make in list(engines(model, device).items())[1:3]:
+    for name, make in ((n, m) for n, m in engines(model, device).items() if n in ("hf_reuse", "engine")):
         backend = make()
         backend.score_rows = None  # the whole batch in one pass
         backend.score(list(range(slots)), prompts, cands)  # warm-up, and fills the caches
@@ -305,7 +305,7 @@ def hub_kernels(base: Path) -> dict:
     return {"kernelize_calls": len(calls), "USE_HUB_KERNELS": os.environ.get("USE_HUB_KERNELS", "(unset)"), "ok": not calls}
 
 
-def vllm_path(base: Path, device: torch.device) -> dict:
+def vllm_path(base: Path) -> dict:
     """The vLLM backend on the embedded model (free mode) when vLLM imports: a few greedy turns, tokens/s."""
     if importlib.util.find_spec("vllm") is None:
         return {"skipped": "vllm is not installed"}
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         base = embedded_base(Path(tmp) / "base")
         sections = {"inventory": lambda: inventory(device), "hub_kernels": lambda: hub_kernels(base), "parity": lambda: parity(base, device),
                     "training": lambda: training(device, args.shape, peak), "generation": lambda: generation(device, args.shape),
-                    "scoring": lambda: scoring(device, args.shape), "vllm": lambda: vllm_path(base, device),
+                    "scoring": lambda: scoring(device, args.shape), "vllm": lambda: vllm_path(base),
                     "pipeline": lambda: pipeline(device, args.scale), "distributed": lambda: distributed(base, device, Path(tmp))}
         for name, run in sections.items():
             if args.only and name not in args.only and name != "inventory":

@@ -24,7 +24,7 @@ if shutil.which("bwrap") is None:
                     pytrace=False)
     pytest.skip("bubblewrap is not installed (scripts/setup.sh installs it where it can)", allow_module_level=True)
 
-PASSING_REPORT = '<testsuites><testsuite name="pytest" tests="1"><testcase classname="tests.test_outputs" name="test_answer"/></testsuite></testsuites>'
+PASSING_REPORT = '<testsuites><testsuite name="pytest" tests="1"><testcase classname="test_outputs" name="test_answer"/></testsuite></testsuites>'
 HOOK = ["import pytest", "@pytest.hookimpl(hookwrapper=True)", "def pytest_runtest_makereport(item, call):",
         "    outcome = yield", "    outcome.get_result().outcome = 'passed'"]
 
@@ -143,7 +143,7 @@ def test_a_report_written_in_advance_is_never_read(task_root):
         *(f"echo '{PASSING_REPORT}' > {p}" for p in ("report.xml", "/tmp/report.xml", "junit.xml")),
         "mkdir -p report tests .qevolve-validators.xml && cp report.xml report/ && cp report.xml tests/ && cp report.xml .qevolve-validators.xml/"])
     assert_lost(last, info)
-    assert info["tests"] == {"tests.test_outputs::test_answer": "failed"} or info["tests"].get("test_outputs::test_answer") == "failed"
+    assert info["tests"] == {"test_outputs::test_answer": "failed"}, "pytest's own report of the real test was read"
 
 
 def test_host_secrets_are_not_readable_inside(task_root):

@@ -359,8 +359,9 @@ def compile_layers(model: torch.nn.Module) -> None:
 
 
 def train_speed(model: torch.nn.Module, curve: list[dict], run: TrainRunConfig | None = None) -> dict:
-    """What a trainer's metrics report of its speed: tokens per second of optimiser steps (all processes),
-    and where the device's peak is known (`train.peak_tflops`, or the GPU's name), the model FLOPs
+    """What a trainer's metrics report of its speed: tokens per second of optimiser steps (all processes; tokens
+    as the trainer's `length` counts an item, which for Multi²'s joint passes counts a sequence each time it
+    is run through), and where the device's peak is known (`train.peak_tflops`, or the GPU's name), the model FLOPs
     utilisation at 4 FLOPs per parameter per token (forward 2, backward through the activations 2: LoRA
     makes no gradient for the frozen weights)."""
     seconds = sum(c["seconds"] for c in curve)

@@ -28,7 +28,8 @@ def head_logprobs(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Ten
 
     if hidden.shape[0] == 0:
         return hidden.new_zeros(0, dtype=torch.float32)
-    size = max(1, chunk_elements // head(hidden[:1]).shape[-1])
+    with torch.no_grad():  # the vocabulary's size, from one row
+        size = max(1, chunk_elements // head(hidden[:1]).shape[-1])
     parts = []
     for i in range(0, hidden.shape[0], size):
         h, t = hidden[i : i + size], targets[i : i + size]
