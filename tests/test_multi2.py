@@ -7,7 +7,7 @@ import torch
 from qevolve import paths
 from qevolve.config import ConfigError, parse_params
 from qevolve.data.store import StepRecord, Trajectory
-from qevolve.data.transitions import read_transitions
+from qevolve.hierarchy.transitions import read_transitions
 from qevolve.hierarchy.annotators import Label
 from qevolve.hierarchy.roles import FINISHED, RolePrompts, transitions
 from qevolve.models.policy import load_policy
@@ -201,7 +201,7 @@ def test_the_replay_buffer_keeps_what_the_paper_keeps_and_a_corrupt_one_names_it
     import random
 
     from qevolve.data.store import SchemaError
-    from qevolve.data.transitions import write_transitions
+    from qevolve.hierarchy.transitions import write_transitions
     from qevolve.methods.multi2.online import load_buffer, push
 
     won = [{"reward": 0.0}, {"reward": 1.0}]
@@ -365,7 +365,7 @@ def test_a_textcraft_subgoal_naming_an_unknown_item_is_refused():
 def test_system_1_can_choose_among_the_crafts_the_listing_shows(tmp_path, monkeypatch):
     from qevolve.envs import make_env, select_tasks
     from qevolve.hierarchy.annotators import observed_subtasks
-    from qevolve.methods.step_hrl.shared import make_agent
+    from qevolve.hierarchy.shared import make_agent
     from qevolve.rollout import play_in
 
     assert observed_subtasks("textcraft", ["get 1 oak log", "craft 4 oak planks using 1 oak log", "craft 1 stick using 2 bamboo", "inventory"]) == [

@@ -12,10 +12,10 @@ from qevolve.algos.losses import sequence_logprobs, token_logprobs
 from qevolve.algos.rl import advantage_pg_loss
 from qevolve.config import ConfigError, parse_params
 from qevolve.data.store import SchemaError, StepRecord, Trajectory
-from qevolve.data.transitions import read_transitions, write_transitions
+from qevolve.hierarchy.transitions import read_transitions, write_transitions
 from qevolve.hierarchy.annotators import AnnotatorError, Label, llm_labels, rule_labels
 from qevolve.hierarchy.roles import FAILED, FINISHED, RolePrompts, parse_low, transitions
-from qevolve.methods.step_hrl.shared import mix
+from qevolve.hierarchy.shared import mix
 from qevolve.models.policy import load_policy
 from qevolve.stages import iteration_stages, pipeline, run_stage
 from tests.test_env_pipelines import _tiny
@@ -166,7 +166,7 @@ def test_mix_keeps_one_expert_transition_per_two_collected():
 
 def test_separate_adapters_train_each_role_on_its_own_outputs_and_round_trip(tmp_path, monkeypatch):
     from qevolve.hierarchy.roles import ROLES
-    from qevolve.methods.step_hrl.bc import weighted_nll_step
+    from qevolve.stages.hierarchical.bc import weighted_nll_step
     from qevolve.models.policy import use_adapter
 
     raw = _tiny("textcraft", tmp_path)
@@ -251,7 +251,7 @@ def test_step_hrl_recipe_runs_end_to_end_on_textcraft(tmp_path, monkeypatch, ada
 
 
 def test_a_killed_step_hrl_critic_resumes_from_its_checkpoint_to_the_same_critic(tmp_path, monkeypatch):
-    import qevolve.methods.step_hrl.critic as critic_module
+    import qevolve.stages.hierarchical.critic as critic_module
 
     raw = _tiny("textcraft", tmp_path)
     raw.update(method="step_hrl", step_hrl={"critic": {"epochs": 2, "batch_size": 4, "checkpoint_every": 1}, "progress_tokens": 4})

@@ -7,6 +7,8 @@ sections every method shares are here; each method's own are in its package (`qe
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import re
 from contextlib import contextmanager
 from functools import cache
@@ -434,17 +436,28 @@ def check_splits(params, key: str, names: list[str]) -> None:
         raise ValueError(f"{key}: {params.env.name} has no split(s) {bad}; expected some of {list(splits)}")
 
 
+_assembling = False
+
+
 @cache
 def _method_configs() -> list:
     """Each method package's `config` module, where it has one: its own sections (`SECTIONS`) and its
-    rules across sections (`check(params)`)."""
-    import importlib
-    import importlib.util
+    rules across sections (`check(params)`). Found by name (`qevolve.recipe.methods`): the one place where
+    shared code reaches up to the methods, and only when `Params` is first used, never while importing."""
+    global _assembling
 
     from qevolve.recipe import methods
 
-    names = [f"qevolve.methods.{m}.config" for m in methods()]
-    return [importlib.import_module(n) for n in names if importlib.util.find_spec(n) is not None]
+    if _assembling:
+        raise ImportError("qevolve.config.Params was used while the method packages were being imported to build it: a method's "
+                          "package (its __init__ or config) imports a module that uses Params at import time; import it under "
+                          "TYPE_CHECKING there, or inside the function that needs it")
+    _assembling = True
+    try:
+        names = [f"qevolve.methods.{m}.config" for m in methods()]
+        return [importlib.import_module(n) for n in names if importlib.util.find_spec(n) is not None]
+    finally:
+        _assembling = False
 
 
 def method_sections() -> dict[str, type[Section]]:
@@ -459,8 +472,17 @@ def method_sections() -> dict[str, type[Section]]:
     return found
 
 
-Params = create_model("Params", __base__=CommonParams, __doc__="params.yaml: the shared sections and every method's own.",
-                      **{name: (cls, cls()) for name, cls in method_sections().items()})
+@cache
+def params_model() -> type[CommonParams]:
+    """`Params`, the model of params.yaml: the shared sections and every method's own, assembled at its first use."""
+    return create_model("Params", __base__=CommonParams, __doc__="params.yaml: the shared sections and every method's own.",
+                        **{name: (cls, cls()) for name, cls in method_sections().items()})
+
+
+def __getattr__(name: str):
+    if name == "Params":  # `from qevolve.config import Params`: built when first asked for, after every module has loaded
+        return params_model()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 EXECUTION_PATHS = ("model.device", "train", "env.worker", "env.ray_cpus", "policy.backend", "policy.compile", "policy.gpu_memory",
@@ -513,7 +535,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def parse_params(raw: dict, source: Path | str = "<params>") -> Params:
     try:
-        return Params.model_validate(raw or {})
+        return params_model().model_validate(raw or {})
     except ValidationError as err:
         raise ConfigError(_format_errors(source, err)) from None
 

@@ -102,16 +102,16 @@ def spec(params: Params) -> dict:
     loop = list(range(1, params.evolve.iterations + 1))
     stages = {s.name: _entry(s, params, []) for s in recipe.setup}
     if loop:
-        stages |= {s.name: _entry(s, params, at) for s in recipe.iteration(params) if (at := [k for k in loop if s.runs_at(k)])}
+        stages |= {s.name: _entry(s, params, at) for s in recipe.iteration_stages(params) if (at := [k for k in loop if s.runs_at(k)])}
     stages["evaluate"] = _entry(recipe.evaluate(), params, [0, *loop])
-    _env_data_deps(params, [*recipe.setup, *recipe.iteration(params), recipe.evaluate()], stages)
+    _env_data_deps(params, [*recipe.setup, *recipe.iteration_stages(params), recipe.evaluate()], stages)
     return {"stages": stages}
 
 
 def env_data_generated(params: Params) -> bool:
     """A stage of the method's pipeline writes `env.data_dir` (TerminalTraj's `generate`)."""
     recipe = load_recipe(params.method)
-    return _writes_env_data(params, [*recipe.setup, *recipe.iteration(params)])
+    return _writes_env_data(params, [*recipe.setup, *recipe.iteration_stages(params)])
 
 
 def _writes_env_data(params: Params, specs: list[Stage]) -> bool:

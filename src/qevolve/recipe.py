@@ -86,8 +86,10 @@ class Recipe:
     """A method: what happens in each of its iterations k >= 1 before `evaluate@k`."""
 
     name: str
-    iteration: Callable[[object], tuple[Stage, ...]]
-    """Params -> the stages of every iteration, in run order, before `evaluate@k`."""
+    iteration: Callable[[object, "Recipe"], tuple[Stage, ...]]
+    """(params, the recipe it runs in) -> the stages of every iteration, in run order, before `evaluate@k`.
+    The recipe is passed so that a method can run another's iteration after setup stages of its own
+    (TerminalTraj runs Q-Evolve's): the stages read `recipe.steps_before`, not their own method's."""
     plays: str | Callable[[int], str]
     """The stage that plays train episodes in each iteration (or iteration k -> its name): its metrics
     carry the cumulative env-step count that the evaluations report."""
@@ -114,9 +116,13 @@ class Recipe:
             lambda k: {"out": paths.evaluation(k)}, (*ACTING_PARAMS, "evaluate", *self.evaluate_params), takes_iteration=True,
         )
 
+    def iteration_stages(self, params) -> tuple[Stage, ...]:
+        """The stages of its iterations with these parameters, in run order, before `evaluate@k`."""
+        return self.iteration(params, self)
+
     def stages(self, params) -> tuple[Stage, ...]:
         """Every stage this method can run with these parameters: setup, evaluation and its iterations'."""
-        return (*self.setup, self.evaluate(), *self.iteration(params))
+        return (*self.setup, self.evaluate(), *self.iteration_stages(params))
 
     def stage(self, name: str, params) -> Stage:
         found = {s.name: s for s in self.stages(params)}
@@ -126,7 +132,7 @@ class Recipe:
 
     def order(self, params, iterations: int) -> list[tuple[Stage, int | None]]:
         """(stage, iteration) in run order for `iterations` iterations (None for a once-only stage)."""
-        each = (*self.iteration(params), self.evaluate())
+        each = (*self.iteration_stages(params), self.evaluate())
         return ([(s, None) for s in self.setup] + [(self.evaluate(), 0)]
                 + [(s, k) for k in range(1, iterations + 1) for s in each if s.runs_at(k)])
 

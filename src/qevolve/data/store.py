@@ -17,7 +17,7 @@ from qevolve.data.atomic import atomic_dir
 from qevolve.errors import UserError
 
 SCHEMA_VERSION = "1"
-_VERSION_KEY = b"qevolve.schema_version"
+VERSION_KEY = b"qevolve.schema_version"
 
 
 class SchemaError(UserError, ValueError):
@@ -90,7 +90,7 @@ _STEP_SCHEMA = pa.schema(
         ("prompt_tokens", pa.int32()),
         ("output_tokens", pa.int32()),
     ],
-    metadata={_VERSION_KEY: SCHEMA_VERSION.encode()},
+    metadata={VERSION_KEY: SCHEMA_VERSION.encode()},
 )
 
 _TRAJ_SCHEMA = pa.schema(
@@ -106,7 +106,7 @@ _TRAJ_SCHEMA = pa.schema(
         ("won", pa.bool_()),
         ("failure", pa.string()),
     ],
-    metadata={_VERSION_KEY: SCHEMA_VERSION.encode()},
+    metadata={VERSION_KEY: SCHEMA_VERSION.encode()},
 )
 
 _STEP_FIELDS = [f.name for f in fields(StepRecord)]
@@ -127,14 +127,16 @@ def write_store(path: Path | str, trajectories: list[Trajectory]) -> None:
         pq.write_table(pa.Table.from_pylist(traj_rows, schema=_TRAJ_SCHEMA), tmp / "trajectories.parquet")
 
 
-def _read_checked(path: Path, schema: pa.Schema, schema_version: str = SCHEMA_VERSION) -> pa.Table:
+def read_checked(path: Path, schema: pa.Schema, schema_version: str = SCHEMA_VERSION) -> pa.Table:
+    """The Parquet file at `path`, refused (`SchemaError`, naming the file and column) unless it carries
+    `schema_version` and every column of `schema` with its type."""
     if not path.exists():
         raise SchemaError(f"{path}: missing (expected a Parquet file of a qevolve store)")
     try:
         file_schema = pq.read_schema(path)
     except (pa.ArrowInvalid, OSError) as err:
         raise SchemaError(f"{path}: not a readable Parquet file: {err}") from None
-    version = (file_schema.metadata or {}).get(_VERSION_KEY, b"<none>").decode()
+    version = (file_schema.metadata or {}).get(VERSION_KEY, b"<none>").decode()
     if version != schema_version:
         raise SchemaError(f"{path}: schema version {version!r}, expected {schema_version!r}")
     for want in schema:
@@ -156,9 +158,9 @@ def _read_checked(path: Path, schema: pa.Schema, schema_version: str = SCHEMA_VE
 def read_store(path: Path | str) -> list[Trajectory]:
     """Read a store folder back into trajectories, validating both files."""
     path = Path(path)
-    trajs = _read_checked(path / "trajectories.parquet", _TRAJ_SCHEMA).to_pylist()
+    trajs = read_checked(path / "trajectories.parquet", _TRAJ_SCHEMA).to_pylist()
     by_id = {r["trajectory_id"]: Trajectory(**{k: r[k] for k in _TRAJ_FIELDS}) for r in trajs}
-    for r in _read_checked(path / "steps.parquet", _STEP_SCHEMA).to_pylist():
+    for r in read_checked(path / "steps.parquet", _STEP_SCHEMA).to_pylist():
         t = by_id.get(r["trajectory_id"])
         if t is None:
             raise SchemaError(f"{path / 'steps.parquet'}: trajectory_id {r['trajectory_id']!r} not in trajectories.parquet")

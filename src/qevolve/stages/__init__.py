@@ -14,10 +14,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qevolve import paths
-from qevolve.config import EXECUTION_PATHS, Params, recorded_reads
+from qevolve.config import EXECUTION_PATHS, recorded_reads
 from qevolve.recipe import Stage, UnknownStage, load_recipe
+
+if TYPE_CHECKING:  # not at import: a hierarchical method's package imports this one while `Params` is being built
+    from qevolve.config import Params
 
 
 def stage_name(stage: str, iteration: int | None = None) -> str:
@@ -27,7 +31,7 @@ def stage_name(stage: str, iteration: int | None = None) -> str:
 
 def iteration_stages(params: Params, k: int = 1) -> tuple[str, ...]:
     """The stages of iteration k >= 1 for these parameters, in run order: their method's, then `evaluate`."""
-    return tuple(s.name for s in load_recipe(params.method).iteration(params) if s.runs_at(k)) + ("evaluate",)
+    return tuple(s.name for s in load_recipe(params.method).iteration_stages(params) if s.runs_at(k)) + ("evaluate",)
 
 
 def pipeline(params: Params, iterations: int | None = None) -> list[tuple[str, int | None]]:

@@ -8,10 +8,10 @@ from qevolve.methods.grpo.config import SECTIONS  # its sections: their defaults
 from qevolve.recipe import ACTING_PARAMS, Recipe, Stage
 
 
-def _iteration(params) -> tuple[Stage, ...]:
+def _iteration(params, recipe: Recipe) -> tuple[Stage, ...]:
     return (
         Stage("online", f"{__name__}.online",
-              lambda k: {"base_dir": paths.BASE, "previous_dir": paths.policy(k - 1), "previous_metrics": RECIPE.steps_before(k - 1)},
+              lambda k: {"base_dir": paths.BASE, "previous_dir": paths.policy(k - 1), "previous_metrics": recipe.steps_before(k - 1)},
               lambda k: {"out": paths.policy(k)}, (*ACTING_PARAMS, "policy", "online"), curve=("round", "success_rate"), takes_iteration=True),
     )
 

@@ -7,7 +7,7 @@ toward the target Q) and updates System 2 by the policy-anchored actor (`policy@
 is the online phase (`online@k`): rounds of hierarchical episodes into a persistent replay buffer, each
 followed by critic and actor updates with a KL anchor to the offline policy. System 1 stays as cloned.
 
-The hierarchy's stages are STEP-HRL's (`qevolve.methods.step_hrl.hierarchical_stages`) reading the
+The hierarchy's stages are the hierarchical methods' (`qevolve.stages.hierarchical`) reading the
 `multi2` section; `policy@1` and `online@k` are Multi²'s own."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from qevolve import paths
 from qevolve.methods.multi2.config import SECTIONS  # its sections: their defaults are a dep of every stage of the method
-from qevolve.methods.step_hrl import ANNOTATED, acting, base, experts, hierarchical_stages, offline_data
 from qevolve.recipe import ACTING_PARAMS, BUILDER_PARAMS, MODEL_PARAMS, Recipe, Stage
+from qevolve.stages.hierarchical import ANNOTATED, EVALUATE, acting_params, hierarchical_setup, hierarchical_stages, offline_data_params
 
 STAGES = hierarchical_stages("multi2")
 OFFLINE = (lambda k: k == 1)
@@ -34,7 +34,7 @@ def buffer(k: int) -> Path:
 def _offline(compat: bool) -> tuple[Stage, ...]:
     """Iteration 1 after `collect@1`: `critic@1` then the paper's actor, or (`multi2.repo_compat`) the public
     code's joint critic-actor loop alone, writing both (`qevolve.methods.multi2.compat`)."""
-    data = (*MODEL_PARAMS, *BUILDER_PARAMS, *offline_data("multi2"))
+    data = (*MODEL_PARAMS, *BUILDER_PARAMS, *offline_data_params("multi2"))
     if compat:
         return (Stage("policy", f"{__name__}.compat",
                       lambda k: {"base_dir": paths.BASE, "previous_dir": paths.policy(k - 1), "data_dir": ANNOTATED, "collected_dir": paths.collected(k)},
@@ -50,18 +50,18 @@ def _offline(compat: bool) -> tuple[Stage, ...]:
     )
 
 
-def _iteration(params) -> tuple[Stage, ...]:
+def _iteration(params, recipe: Recipe) -> tuple[Stage, ...]:
     return (
         replace(STAGES["collect"], at=OFFLINE), *_offline(params.multi2.repo_compat),
         Stage("online", f"{__name__}.online",
               lambda k: {"base_dir": paths.BASE, "previous_dir": paths.policy(k - 1), "anchor_dir": paths.policy(1), "critic_dir": paths.critic(k - 1),
-                         "seed_dir": ANNOTATED if k == 2 else buffer(k - 1), "previous_metrics": RECIPE.steps_before(k - 1)},
+                         "seed_dir": ANNOTATED if k == 2 else buffer(k - 1), "previous_metrics": recipe.steps_before(k - 1)},
               lambda k: {"out": paths.policy(k), "critic_out": paths.critic(k), "buffer_out": buffer(k)},
-              (*ACTING_PARAMS, *acting("multi2"), "policy.temperature", "multi2.critic", "multi2.online", "multi2.repo_compat"), curve=("round", "success_rate"),
+              (*ACTING_PARAMS, *acting_params("multi2"), "policy.temperature", "multi2.critic", "multi2.online", "multi2.repo_compat"), curve=("round", "success_rate"),
               takes_iteration=True, at=lambda k: k >= 2),
     )
 
 
-RECIPE = Recipe("multi2", _iteration, plays=lambda k: "collect" if k == 1 else "online", setup=(experts, base, STAGES["annotate"], STAGES["bc"]),
-                evaluate_module="qevolve.methods.step_hrl.evaluate", evaluate_params=acting("multi2"))
+RECIPE = Recipe("multi2", _iteration, plays=lambda k: "collect" if k == 1 else "online", setup=hierarchical_setup(STAGES),
+                evaluate_module=EVALUATE, evaluate_params=acting_params("multi2"))
 __all__ = ["RECIPE", "SECTIONS"]

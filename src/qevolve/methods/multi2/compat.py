@@ -25,7 +25,7 @@ from qevolve.algos.rl import awr_loss, iql_losses
 from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.hierarchy.critic import Item, LevelCritic, critic_items, save_critic, values
-from qevolve.methods.step_hrl.shared import load_roles_policy, role_builder, save_roles_policy, training_sets
+from qevolve.hierarchy.shared import load_roles_policy, role_builder, save_roles_policy, training_sets
 from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device, placement
 from qevolve.models.policy import use_adapter

@@ -2,7 +2,7 @@
 
 System 1 is the hierarchy's high role (the planner: task + observation -> the next subgoal), System 2 its
 low role (the executor: subgoal + the subgoal's observation/action turns -> `<action>; True|False`), each on
-its own adapter. The keys it shares with STEP-HRL are documented in `qevolve.methods.step_hrl.config`; their
+its own adapter. The keys it shares with STEP-HRL are documented in `qevolve.hierarchy.config`; their
 defaults here are Multi²'s (docs/multi2.md sets each beside the paper and the public code)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field
 
 from qevolve.config import Section, TrainConfig
-from qevolve.methods.step_hrl.config import HierarchyConfig, LevelCriticConfig, check_hierarchy
+from qevolve.hierarchy.config import HierarchyConfig, LevelCriticConfig, check_hierarchy
 
 
 class Multi2CriticConfig(LevelCriticConfig):

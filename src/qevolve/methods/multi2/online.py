@@ -31,14 +31,14 @@ import torch
 from qevolve.algos.rl import awac_kl_loss, iql_losses
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_path, write_json
-from qevolve.data.transitions import read_transitions, write_transitions
+from qevolve.hierarchy.transitions import read_transitions, write_transitions
 from qevolve.envs import make_env, select_tasks
 from qevolve.envs.base import check_env_failures
 from qevolve.errors import artifact
 from qevolve.hierarchy.critic import LevelCritic, critic_items, load_critic, load_heads, save_critic, values
 from qevolve.hierarchy.roles import Transition, encode, transitions
 from qevolve.methods.multi2.compat import on_actor
-from qevolve.methods.step_hrl.shared import ROLES_FILE, agent_of, read_roles, role_builder, role_names, save_roles_policy
+from qevolve.hierarchy.shared import ROLES_FILE, agent_of, read_roles, role_builder, role_names, save_roles_policy
 from qevolve.models.base import target_logprobs
 from qevolve.models.device import placement
 from qevolve.models.policy import load_policy, use_adapter

@@ -23,7 +23,7 @@ from qevolve.data.atomic import write_json
 from qevolve.hierarchy.agent import RoleStop
 from qevolve.hierarchy.critic import advantages_of, load_critic
 from qevolve.hierarchy.roles import encode, parse_low
-from qevolve.methods.step_hrl.shared import advantage_of, load_roles_policy, read_advantages, role_builder, save_roles_policy, training_sets
+from qevolve.hierarchy.shared import advantage_of, load_roles_policy, read_advantages, role_builder, save_roles_policy, training_sets
 from qevolve.models.backend import HFBackend
 from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device, placement

@@ -13,10 +13,9 @@ from qevolve.recipe import ACTING_PARAMS, BUILDER_PARAMS, MODEL_PARAMS, Recipe, 
 HERE = __name__
 
 
-def _iteration(params, recipe: Recipe | None = None) -> tuple[Stage, ...]:
-    """Q-Evolve's iteration; `recipe`, another method's that runs it after its own setup (TerminalTraj),
-    whose demonstrations count the env steps of policy 0."""
-    steps = (recipe or RECIPE).steps_before
+def _iteration(params, recipe: Recipe) -> tuple[Stage, ...]:
+    """Q-Evolve's iteration, in `recipe` (its own, or TerminalTraj's, which runs it after its own setup)."""
+    steps = recipe.steps_before
     stages = (
         Stage("collect", f"{HERE}.collect",
               lambda k: {"base_dir": paths.BASE, "policy_dir": paths.policy(k - 1), "previous_metrics": steps(k - 1)},

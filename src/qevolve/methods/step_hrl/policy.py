@@ -16,7 +16,7 @@ from qevolve.algos.rl import advantage_pg_loss, awr_loss
 from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.hierarchy.roles import ROLES, encode
-from qevolve.methods.step_hrl.shared import advantage_of, load_roles_policy, read_advantages, role_builder, role_groups, save_roles_policy, training_sets
+from qevolve.hierarchy.shared import advantage_of, load_roles_policy, read_advantages, role_builder, role_groups, save_roles_policy, training_sets
 from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device, placement
 from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train, train_speed

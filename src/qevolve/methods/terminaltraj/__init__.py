@@ -9,23 +9,24 @@ repositories) through the sanity gate (`data/instances`, which is `env.data_dir`
 noisy scripted teacher out on the train tasks, `verify` sets the validators' verdict beside a judge's,
 `filter` keeps the validator-passed (or judge-accepted) rollouts as the demonstrations `bc` clones.
 The paper stops at SFT; each iteration k >= 1 here is Q-Evolve's (collect, relabel, critic, advantage,
-policy) on the same terminal tasks."""
+policy) on the same terminal tasks: `RECIPE` is Q-Evolve's (`load_recipe("qevolve")`, by name: no method
+imports another's package) with this setup, its demonstrations being the teacher's."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from qevolve import paths
-from qevolve.methods.qevolve import _iteration
 from qevolve.methods.terminaltraj.config import INSTANCES, SECTIONS  # its sections: their defaults are a dep of every stage of the method
-from qevolve.recipe import SETUP, Recipe, Stage
+from qevolve.recipe import SETUP, Stage, load_recipe
 
 HERE = __name__
 ROLLOUTS, VERIFIED = Path("data/teacher"), Path("data/verify")
 _base, _bc = (s for s in SETUP if s.name in ("base", "bc"))
 
-RECIPE = Recipe(
-    "terminaltraj", lambda params: _iteration(params, RECIPE), plays="collect", demonstrations="teacher",
+RECIPE = replace(
+    load_recipe("qevolve"), name="terminaltraj", demonstrations="teacher",
     setup=(
         Stage("generate", f"{HERE}.generate", lambda k: {}, lambda k: {"out": Path(INSTANCES)}, ("env.max_steps", "env.terminal", "terminaltraj.generate"),
               once=True, details=True, path_params=("terminaltraj.generate.sources",)),

@@ -14,10 +14,10 @@ import torch
 from qevolve.algos.losses import sequence_logprobs
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
-from qevolve.data.transitions import read_transitions
-from qevolve.methods.step_hrl.config import section
+from qevolve.hierarchy.transitions import read_transitions
+from qevolve.hierarchy.config import section
 from qevolve.hierarchy.roles import ROLES, encode
-from qevolve.methods.step_hrl.shared import role_builder, role_groups, role_names, role_prompts, write_roles
+from qevolve.hierarchy.shared import role_builder, role_groups, role_names, role_prompts, write_roles
 from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device, placement
 from qevolve.models.policy import load_policy

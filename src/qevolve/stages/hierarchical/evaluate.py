@@ -12,7 +12,7 @@ from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import read_store
 from qevolve.hierarchy.roles import ROLES, parse_low
-from qevolve.methods.step_hrl.shared import make_agent
+from qevolve.hierarchy.shared import make_agent
 from qevolve.rollout import play_splits
 
 

@@ -1,5 +1,5 @@
 """`annotate`: the expert trajectories cut into subtasks with each step's local progress, as the three
-transition sets the hierarchical policy learns from (high, low, progress; `qevolve.data.transitions`);
+transition sets the hierarchical policy learns from (high, low, progress; `qevolve.hierarchy.transitions`);
 with the running hierarchical method's section (`step_hrl`, `multi2`)."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from tqdm import tqdm
 from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import read_store
-from qevolve.data.transitions import write_transitions
+from qevolve.hierarchy.transitions import write_transitions
 from qevolve.envs import check_tasks, make_env
 from qevolve.hierarchy.annotators import check_subtasks, llm_labels, rule_labels
-from qevolve.methods.step_hrl.config import section, section_name
+from qevolve.hierarchy.config import section, section_name
 from qevolve.hierarchy.roles import ROLES, encode, transitions
-from qevolve.methods.step_hrl.shared import role_builder, role_prompts
+from qevolve.hierarchy.shared import role_builder, role_prompts
 from qevolve.models.base import load_tokenizer
 
 

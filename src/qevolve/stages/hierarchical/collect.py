@@ -10,12 +10,12 @@ import torch
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import write_store
-from qevolve.data.transitions import write_transitions
+from qevolve.hierarchy.transitions import write_transitions
 from qevolve.envs import make_env, select_tasks
 from qevolve.envs.base import check_env_failures, env_failures
-from qevolve.methods.step_hrl.config import section
+from qevolve.hierarchy.config import section
 from qevolve.hierarchy.roles import ROLES, transitions
-from qevolve.methods.step_hrl.shared import COLLECTED, make_agent
+from qevolve.hierarchy.shared import COLLECTED, make_agent
 from qevolve.rollout import collection_metrics, play_in
 
 EPISODES = "episodes"

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from qevolve.data.atomic import atomic_dir
-from qevolve.data.store import _VERSION_KEY, SchemaError, _read_checked
+from qevolve.data.store import VERSION_KEY, SchemaError, read_checked
 from qevolve.hierarchy.roles import ROLES, Transition
 
 SCHEMA_VERSION = "1"
@@ -38,7 +38,7 @@ SCHEMA = pa.schema(
         ("prompt_tokens", pa.int32()),
         ("output_tokens", pa.int32()),
     ],
-    metadata={_VERSION_KEY: SCHEMA_VERSION.encode()},
+    metadata={VERSION_KEY: SCHEMA_VERSION.encode()},
 )
 _FIELDS = [f.name for f in fields(Transition)]
 
@@ -58,7 +58,7 @@ def read_transitions(path: Path | str) -> dict[str, list[dict]]:
     out = {}
     for role in ROLES:
         file = path / f"{role}.parquet"
-        rows = _read_checked(file, SCHEMA, SCHEMA_VERSION).to_pylist()
+        rows = read_checked(file, SCHEMA, SCHEMA_VERSION).to_pylist()
         wrong = next((i for i, r in enumerate(rows) if r["level"] != role), None)
         if wrong is not None:
             raise SchemaError(f"{file}: column 'level' is {rows[wrong]['level']!r} at row {wrong}, expected {role!r}")

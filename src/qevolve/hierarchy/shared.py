@@ -12,11 +12,11 @@ from pathlib import Path
 import pyarrow as pa
 
 from qevolve.data.atomic import atomic_dir
-from qevolve.data.store import _read_checked
-from qevolve.data.transitions import read_transitions
+from qevolve.data.store import read_checked
+from qevolve.hierarchy.transitions import read_transitions
 from qevolve.errors import artifact
 from qevolve.hierarchy.agent import HierarchicalAgent
-from qevolve.methods.step_hrl.config import section
+from qevolve.hierarchy.config import section
 from qevolve.hierarchy.roles import ROLES, RolePrompts
 from qevolve.models.policy import load_policy, use_adapter
 from qevolve.models.prompt import PromptBuilder
@@ -144,7 +144,7 @@ def training_sets(params, data_dir: Path, collected_dir: Path) -> dict[str, list
 
 def read_advantages(folder: Path) -> dict[tuple[str, str, int], float]:
     """(trajectory_id, level, step) -> advantage, from an `advantage@k` folder."""
-    rows = _read_checked(Path(folder) / ADVANTAGES, ADVANTAGE_SCHEMA, "1").to_pylist()
+    rows = read_checked(Path(folder) / ADVANTAGES, ADVANTAGE_SCHEMA, "1").to_pylist()
     return {(r["trajectory_id"], r["level"], r["step"]): r["advantage"] for r in rows}
 
 

@@ -23,8 +23,8 @@ from qevolve.algos.rl import iql_losses
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.hierarchy.critic import Item, LevelCritic, critic_items, save_critic, values
-from qevolve.methods.step_hrl.config import section
-from qevolve.methods.step_hrl.shared import ADVANTAGE_SCHEMA, ADVANTAGES, read_roles, role_builder, training_sets
+from qevolve.hierarchy.config import section
+from qevolve.hierarchy.shared import ADVANTAGE_SCHEMA, ADVANTAGES, read_roles, role_builder, training_sets
 from qevolve.models.device import placement
 from qevolve.models.policy import load_policy
 from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, train, train_speed
