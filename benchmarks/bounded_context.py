@@ -44,10 +44,11 @@ def per_step_tokens(trajs: list, env_name: str, tok) -> dict[str, list[list[tupl
     """design -> per trajectory -> per step (prompt tokens, output tokens), every call at that step summed."""
     from qevolve.hierarchy.annotators import rule_labels
     from qevolve.hierarchy.roles import RolePrompts, low_output, transitions
-    from qevolve.models.prompt import INTRODUCTIONS, PromptBuilder, format_action
+    from qevolve.environments import ENVIRONMENTS
+    from qevolve.models.prompt import PromptBuilder, format_action
 
-    flat = PromptBuilder(tok, 10**9, repeat_task=True, intro=INTRODUCTIONS[env_name])
-    chat = PromptBuilder(tok, 10**9, intro=INTRODUCTIONS[env_name])
+    flat = PromptBuilder(tok, 10**9, repeat_task=True, intro=ENVIRONMENTS[env_name].intro)
+    chat = PromptBuilder(tok, 10**9, intro=ENVIRONMENTS[env_name].intro)
 
     def n(text: str) -> int:
         return len(tok.encode(text, add_special_tokens=False))

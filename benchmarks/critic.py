@@ -22,7 +22,7 @@ import torch
 from benchmarks import workspace_params
 
 from qevolve.models.critic import CriticItem, read_positions
-from qevolve.training import pad_ids
+from qevolve.models.device import pad_ids
 
 
 @torch.no_grad()

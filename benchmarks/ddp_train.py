@@ -17,7 +17,8 @@ from qevolve.config import BCConfig, ModelConfig, TrainRunConfig
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PromptBuilder
 from qevolve.stages.bc import bc_step
-from qevolve.training import full_state, is_main, loading_config, process_group, shard, train
+from qevolve.training import full_state, loading_config, process_group, shard, train
+from qevolve.models.device import is_main
 
 # 3 micro-batches per optimiser step: under 2 processes, rank 0 runs two of them and rank 1 one.
 CFG = BCConfig(epochs=2, lr=5e-3, batch_size=3, micro_batch_size=1, warmup_ratio=0.2, checkpoint_every=1)

@@ -21,13 +21,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="metrics file to write (default: <workspace>/metrics/zero_shot.json)")
     args = ap.parse_args(argv)
     from qevolve.models.policy import Actor, load_policy
-    from qevolve.models.prompt import INTRODUCTIONS, PromptBuilder
+    from qevolve.environments import ENVIRONMENTS
+    from qevolve.models.prompt import PromptBuilder
     from qevolve.rollout import play_splits
 
     ws = args.workspace.resolve()
     params = workspace_params(ws, needs=("models/base", "metrics/experts.json"))
     model, tok = load_policy(ws / "models/base", params.model)
-    builder = PromptBuilder(tok, params.model.context_tokens, "", params.prompt.repeat_task, params.prompt.max_observation_tokens, INTRODUCTIONS[params.env.name])
+    builder = PromptBuilder(tok, params.model.context_tokens, "", params.prompt.repeat_task, params.prompt.max_observation_tokens, ENVIRONMENTS[params.env.name].intro)
     actor = Actor(model.eval(), tok, builder, params.policy.action_mode, params.policy.temperature, params.policy.max_new_tokens)
     out = args.out or ws / "metrics" / "zero_shot.json"
     with tempfile.TemporaryDirectory() as episodes:

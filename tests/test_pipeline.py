@@ -52,15 +52,12 @@ def test_flow_and_dvc_yaml_describe_the_same_stages(tmp_path):
 
 
 def _method_params() -> dict:
-    """method -> parameters that use every stage of its recipe (Q-Evolve's with reranking; Multi²'s with two
-    iterations, its online phase starting at the second)."""
-    from qevolve.config import parse_params
-    from qevolve.recipe import methods
+    """method -> parameters that use every stage of its recipe (`Recipe.smoke`: Q-Evolve's with reranking,
+    Multi²'s with two iterations, its online phase starting at the second)."""
+    from qevolve.config import methods, parse_params
+    from qevolve.recipe import load_recipe
 
-    raw = {"qevolve": {"rerank": {"best_of": 2}}, "multi2": {"evolve": {"iterations": 2}},
-           "terminaltraj": {"env": {"name": "terminal", "data_dir": "data/instances"}, "experts": {"demos": {"oracle": 1}},
-                            "policy": {"action_mode": "free"}, "evaluate": {"splits": {"test": 0}}}}
-    return {m: parse_params({"method": m, "evolve": {"iterations": 1}, **raw.get(m, {})}) for m in methods()}
+    return {m: parse_params({"method": m, "evolve": {"iterations": 1}, **load_recipe(m).smoke}) for m in methods()}
 
 
 def _stage_modules() -> dict[tuple[str, str], str]:
@@ -335,30 +332,63 @@ def test_the_experiment_forms_profile_is_a_menu_of_the_profiles_and_each_field_i
     assert all(fields[name].get("description") for name in ("profile", "iterations", "overrides", "name"))
 
 
+def _copied_method(tmp_path, method: str, copy: str, own_section: bool) -> str:
+    """Run, with a copy of package `method` named `copy` beside the real ones and nothing else changed, a
+    check of its lineage and flow order; print its result. `own_section`: the copy keeps its config module,
+    its names changed to its own (a hierarchical method reads the section named after it); otherwise it has
+    none and shares `method`'s sections (a section belongs to one package)."""
+    shutil.copytree(REPO / "src", tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    methods = tmp_path / "src" / "qevolve" / "methods"
+    shutil.copytree(methods / method, methods / copy)
+    for f in (methods / copy).glob("*.py"):
+        if f.name == "config.py" and not own_section:
+            f.unlink()
+        elif own_section:
+            f.write_text(f.read_text().replace(f"qevolve.methods.{method}", f"qevolve.methods.{copy}").replace(f'"{method}', f'"{copy}'))
+        else:
+            f.write_text(f.read_text().replace(f'Recipe("{method}"', f'Recipe("{copy}"'))
+    code = (
+        "from qevolve import dvcfile\n"
+        "from qevolve.config import methods, parse_params\n"
+        "from qevolve.stages import pipeline\n"
+        f"p = parse_params({{'method': '{copy}', 'evolve': {{'iterations': 2}}}})\n"
+        "stages = dvcfile.spec(p)['stages']\n"
+        "print(methods())\n"
+        "print({n: [d for d in s.get('do', s)['deps'] if 'methods/' in d or 'hierarchical/' in d] for n, s in stages.items()})\n"
+        "print(pipeline(p))\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path / "src")},
+                          capture_output=True, text=True, check=True).stdout.strip().splitlines()
+
+
 def test_a_method_is_its_package(tmp_path):
     """docs/adding-a-method.md: a copy of the GRPO package under another name, and no other change, is a
     method that params.yaml can pick, with its stages in dvc.yaml (their code deps its own files) and in
     the flow's order."""
-    shutil.copytree(REPO / "src", tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__"))
-    methods = tmp_path / "src" / "qevolve" / "methods"
-    shutil.copytree(methods / "grpo", methods / "grpo_copy")
-    (methods / "grpo_copy" / "config.py").unlink()  # it shares GRPO's `online` section (a section belongs to one package)
-    recipe = methods / "grpo_copy" / "__init__.py"
-    recipe.write_text(recipe.read_text().replace('Recipe("grpo"', 'Recipe("grpo_copy"'))
-    code = (
-        "from qevolve import dvcfile\n"
-        "from qevolve.config import parse_params\n"
-        "from qevolve.recipe import methods\n"
-        "from qevolve.stages import pipeline\n"
-        "p = parse_params({'method': 'grpo_copy', 'evolve': {'iterations': 2}})\n"
-        "online = dvcfile.spec(p)['stages']['online']\n"
-        "print(methods(), sorted(online['foreach']), [d for d in online['do']['deps'] if 'methods/' in d], pipeline(p)[3:])\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path / "src")},
-                         capture_output=True, text=True, check=True).stdout.strip()
-    assert out == ("['grpo', 'grpo_copy', 'multi2', 'qevolve', 'step_hrl', 'terminaltraj'] ['1', '2'] ['src/qevolve/methods/__init__.py', 'src/qevolve/methods/grpo/__init__.py', "
-                   "'src/qevolve/methods/grpo/config.py', 'src/qevolve/methods/grpo_copy/__init__.py', 'src/qevolve/methods/grpo_copy/online.py'] "
-                   "[('evaluate', 0), ('online', 1), ('evaluate', 1), ('online', 2), ('evaluate', 2)]")
+    from qevolve.config import methods
+
+    listed, deps, order = _copied_method(tmp_path, "grpo", "grpo_copy", own_section=False)
+    assert listed == str(sorted([*methods(), "grpo_copy"]))
+    assert eval(deps)["online"] == ["src/qevolve/methods/__init__.py", "src/qevolve/methods/grpo/__init__.py",
+                                    "src/qevolve/methods/grpo/config.py", "src/qevolve/methods/grpo_copy/__init__.py",
+                                    "src/qevolve/methods/grpo_copy/online.py"]
+    assert eval(order)[3:] == [("evaluate", 0), ("online", 1), ("evaluate", 1), ("online", 2), ("evaluate", 2)]
+
+
+def test_a_hierarchical_method_is_its_package_too(tmp_path):
+    """A copy of STEP-HRL under another name, its section renamed after it (the hierarchical stages read
+    the running method's section), is a method too: the shared hierarchical stages run for it, reading its
+    own section, whose module is their dep; its policy stage is its own file."""
+    from qevolve.config import methods
+
+    listed, deps, order = _copied_method(tmp_path, "step_hrl", "hrl_copy", own_section=True)
+    deps = eval(deps)
+    assert listed == str(sorted([*methods(), "hrl_copy"]))
+    assert "src/qevolve/methods/hrl_copy/config.py" in deps["annotate"] and "src/qevolve/stages/hierarchical/annotate.py" in deps["annotate"]
+    assert not any("methods/step_hrl" in d for stage in deps.values() for d in stage)
+    assert {"src/qevolve/methods/hrl_copy/__init__.py", "src/qevolve/methods/hrl_copy/policy.py"} <= set(deps["policy"])
+    assert eval(order) == [("experts", None), ("base", None), ("annotate", None), ("bc", None), ("evaluate", 0),
+                           *[(s, k) for k in (1, 2) for s in ("collect", "critic", "policy", "evaluate")]]
 
 
 def test_each_method_iterates_in_a_sub_flow_of_its_own_name_described_by_its_algorithm():

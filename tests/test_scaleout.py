@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.table import prepare
+from flows.workspace import prepare
 from tests.test_env_pipelines import _tiny
 
 REPO = Path(__file__).resolve().parent.parent
@@ -186,7 +186,7 @@ def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_fro
 
 
 def test_scaleout_settings_are_validated_naming_the_file_and_key(tmp_path, monkeypatch):
-    from flows.scaleout import load_settings
+    from tasks.scaleout import load_settings
     from qevolve.config import ConfigError
 
     monkeypatch.delenv("QEVOLVE_SCALEOUT", raising=False)
@@ -206,7 +206,7 @@ def test_scaleout_settings_are_validated_naming_the_file_and_key(tmp_path, monke
 def test_an_unreachable_remote_is_an_error_naming_it_and_nothing_computed_is_lost(tmp_path, monkeypatch):
     from dvc.repo import Repo
 
-    from flows.scaleout import Remote, use_remote
+    from tasks.scaleout import Remote, use_remote
     from tasks import RemoteUnreachable, push_stage, restore_from_run_cache
 
     for key, value in {**S3_ENV, "AWS_MAX_ATTEMPTS": "1"}.items():
@@ -232,13 +232,14 @@ def test_a_tracking_server_that_fails_at_a_stages_end_is_an_error_naming_it(tmp_
     import mlflow
 
     from flows.tracking import TrackingUnavailable, log_stage
+    from qevolve.recipe import SETUP
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     mlflow.set_tracking_uri(f"http://127.0.0.1:{_port()}")
     try:
         with pytest.raises(TrackingUnavailable, match=r"bc: logging to MLflow at http://127.0.0.1:\d+ failed .*nothing computed is lost"):
-            log_stage({"stage": "bc", "metrics": {"loss": 1.0}})
+            log_stage({"stage": "bc", "metrics": {"loss": 1.0}}, SETUP[-1])
     finally:
         mlflow.set_tracking_uri(None)
 
@@ -322,7 +323,8 @@ def test_a_worker_writes_only_the_files_a_stage_carries_into_a_workspace_id_it_c
     """`remote_stage`'s parameters come from whoever can create a flow run: a workspace that is not the 16 hex digits
     `dispatch` sends, or a file name other than params.yaml, dvc.yaml, dvc.lock and metrics/*.json, is refused before
     anything is written."""
-    from flows.scaleout import ROOT as REPO_ROOT, SRC, carried_path, code_digest, remote_stage, worker_root
+    from flows.scaleout import remote_stage
+    from tasks.scaleout import ROOT as REPO_ROOT, SRC, carried_path, code_digest, worker_root
     from qevolve.errors import BadName
 
     monkeypatch.setenv("QEVOLVE_WORKER_DIR", str(tmp_path / "workers"))

@@ -663,7 +663,8 @@ def test_an_llm_writes_tasks_from_source_repositories_and_the_gate_judges_them(t
 
 def test_the_verification_miniature_spec_shares_its_rollouts_and_reports_test_and_ood():
     from conftest import REPO
-    from flows.table import load_spec, markdown, workspace_params
+    from flows.table_report import markdown
+    from flows.table_spec import load_spec, workspace_params
 
     spec = load_spec(REPO / "benchmarks" / "terminaltraj.yaml")
     every = {name: workspace_params(spec, name, 2, None) for name in spec.workspaces}

@@ -30,7 +30,7 @@ def test_raising_iterations_continues_the_evolution_and_the_experiment_opens_as_
 def test_the_summary_table_gives_each_rate_its_standard_error_and_count_and_the_critics_separation(tmp_path, monkeypatch):
     import json
 
-    from qevolve.cli import summary_table
+    from qevolve.summary import summary_table
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "metrics").mkdir()

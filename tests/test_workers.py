@@ -159,7 +159,8 @@ def test_policy_replicas_play_the_same_episodes_as_the_stages_process(tmp_path, 
     """R = 2 replicas (slot s on replica s % 2) and the stage's own process: the same sampled episodes, in
     both action modes, since each episode samples from its own seed."""
     from qevolve.config import parse_params
-    from qevolve.models.policy import Actor, load_policy, rollout_backend
+    from qevolve.models.policy import Actor, load_policy
+    from qevolve.models.ray_policy import rollout_backend
     from tests.test_env_pipelines import _tiny
     from tests.test_rollout import Corridor
 

@@ -8,47 +8,12 @@ import json
 import sys
 from pathlib import Path
 
-from qevolve import dvcfile, paths
+from qevolve import dvcfile
 from qevolve.config import load_params
 from qevolve.errors import UserError, debugging, report
 from qevolve.lock import under_torchrun, workspace_lock
 from qevolve.stages import run_stage
-
-
-def summary_table(iterations: list[int]) -> str:
-    """The evaluation table of the given iterations, read from their metrics files: each success rate
-    with its binomial standard error, the games it counts and the episodes the environment failed (left
-    out of the rate), then the critic's separation of won and lost episodes for each iteration, so a reader
-    can tell what the numbers can say."""
-    head = (f"{'policy':<10} {'split':<13} {'success':>8} {'± s.e.':>7} {'won':>7} {'env fail':>8} {'reward':>7} {'steps':>6} {'invalid':>8} "
-            f"{'out tok/ep':>10} {'prompt tok/ep':>13}")
-    rows = [head, "-" * len(head)]
-    for k in iterations:
-        path = paths.metrics(f"evaluate@{k}")
-        if not path.exists():
-            continue
-        name = "bc" if k == 0 else f"iter {k}"
-        for split, m in json.loads(path.read_text()).items():
-            n, p = m["episodes"], m["success_rate"]
-            se = (p * (1 - p) / n) ** 0.5 if n else float("nan")
-            rows.append(
-                f"{name:<10} {split:<13} {p:>8.1%} {se:>7.1%} {f'{round(p * n)}/{n}':>7} {m.get('env_failures', 0):>8} {m['avg_reward']:>7.3f} "
-                f"{m['avg_steps']:>6.1f} "
-                f"{m['invalid_rate']:>8.1%} {m['output_tokens_per_episode']:>10.1f} {m['prompt_tokens_per_episode']:>13.0f}"
-            )
-    rows.append("s.e. = sqrt(p(1-p)/n), the binomial standard error: two rates closer than about twice it are not told apart. "
-                "env fail: episodes the environment failed (a crash, not the policy), left out of n.")
-    for k in iterations:
-        path = paths.metrics(f"critic@{k}")
-        if k and path.exists():
-            c = json.loads(path.read_text())
-            if "v_mean_won" in c:
-                rows.append(f"critic@{k}: mean V on won episodes {c['v_mean_won']:.3f}, on lost {c['v_mean_lost']:.3f} "
-                            f"(separation {c['v_mean_won'] - c['v_mean_lost']:+.3f}; V's std {c['v_std']:.3f})")
-            else:  # one critic per level (STEP-HRL)
-                rows.append(f"critic@{k}: " + ", ".join(f"{level} mean V {c[f'{level}_v_mean']:.3f}, A {c[f'{level}_advantage_mean']:+.3f}"
-                                                        for level in ("high", "low", "progress") if f"{level}_v_mean" in c))
-    return "\n".join(rows)
+from qevolve.summary import summary_table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,8 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qevolve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run one pipeline stage in this workspace")
-    run.add_argument("stage", help="a stage of the method of params.yaml (experts, base, bc, evaluate, and the method's own: "
-                                   "collect, relabel, critic, advantage, policy, rerank for qevolve; online for grpo)")
+    run.add_argument("stage", help="a stage of the method of params.yaml (experts, base, bc, evaluate, and its recipe's own; "
+                                   "`dvc dag` lists this workspace's)")
     run.add_argument("--iteration", type=int, default=None, help="iteration of an iterated stage (collect@K, ..., evaluate@K)")
     run.add_argument("--params", type=Path, default=Path("params.yaml"))
     summary = sub.add_parser("summary", help="print the evaluation table")

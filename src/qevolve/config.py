@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import pkgutil
 import re
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import TYPE_CHECKING, Iterator, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator, model_validator
 
+from qevolve.environments import ENVIRONMENTS
 from qevolve.errors import UserError
 
 
@@ -68,20 +70,6 @@ def recorded_reads(params: "Params") -> Iterator[set[str]]:
         reads |= _reads
 
 
-ENVIRONMENTS = {
-    # name: (its experts, whether it lists the valid actions that `policy.action_mode: admissible` needs,
-    # its splits)
-    "alfworld": (("handcoded", "walkthrough"), True, ("train", "valid_seen", "valid_unseen", "valid_train")),
-    "scienceworld": (("gold",), True, ("train", "valid_seen", "valid_unseen")),
-    "webshop": (("gold",), True, ("train", "test")),
-    "textcraft": (("planner",), True, ("train", "test")),
-    "terminal": (("oracle",), True, ("train", "test", "test_ood")),
-}
-TEXTCRAFT_TYPES = ("depth2", "depth3", "depth4")
-"""TextCraft's task types: the goals' crafting depth (`qevolve.envs.textcraft`). ScienceWorld's (task
-names) and WebShop's (product categories) come from their data and are checked when it is read."""
-
-
 class TerminalConfig(Section):
     """`env.terminal`: the terminal environment's sandbox and limits (`qevolve.envs.terminal`, `qevolve.envs.sandbox`)."""
 
@@ -105,8 +93,8 @@ class TerminalConfig(Section):
 
 
 class EnvConfig(Section):
-    name: Literal["alfworld", "scienceworld", "webshop", "textcraft", "terminal"] = "alfworld"
-    """Environment adapter (`profiles/` holds a ready params file for each)."""
+    name: Literal[tuple(ENVIRONMENTS)] = "alfworld"  # type: ignore[valid-type]
+    """Environment adapter (`qevolve.environments` lists them; `profiles/` holds a ready params file for each)."""
     task_types: list[str] = Field(default_factory=list)
     """Restrict tasks to these types (ALFWorld: `pick_and_place_simple`, ...; ScienceWorld: task names;
     TextCraft: `depth2`..; WebShop: product category); empty = all."""
@@ -142,12 +130,8 @@ class EnvConfig(Section):
     @field_validator("task_types")
     @classmethod
     def _known_types(cls, v: list[str], info: ValidationInfo) -> list[str]:
-        known = None
-        if info.data.get("name") == "alfworld":
-            from qevolve.envs.alfworld import TASK_TYPES as known
-        elif info.data.get("name") == "textcraft":
-            known = TEXTCRAFT_TYPES
-        bad = [t for t in v if known is not None and t not in known]
+        known = ENVIRONMENTS[info.data["name"]].task_types if "name" in info.data else ()
+        bad = [t for t in v if known and t not in known]
         if bad:
             raise ValueError(f"unknown task type(s) {bad}; expected some of {list(known)}")
         return v
@@ -402,22 +386,20 @@ class CommonParams(Section):
     @field_validator("method")
     @classmethod
     def _known_method(cls, method: str) -> str:
-        from qevolve.recipe import methods
-
         if method not in methods():
             raise ValueError(f"unknown method {method!r}; expected one of {methods()}")
         return method
 
     @model_validator(mode="after")
     def _fits_env(self) -> "CommonParams":
-        experts, lists_actions, _ = ENVIRONMENTS[self.env.name]
+        env = ENVIRONMENTS[self.env.name]
         for key, names in (("experts.split", [self.experts.split]), ("collect.split", [self.collect.split]),
                            ("evaluate.splits", list(self.evaluate.splits))):
             check_splits(self, key, names)
-        unknown = sorted(set(self.experts.demos) - set(experts))
+        unknown = sorted(set(self.experts.demos) - set(env.experts))
         if unknown:
-            raise ValueError(f"experts.demos: {self.env.name} has no expert(s) {unknown}; expected some of {list(experts)}")
-        if self.policy.action_mode == "admissible" and not lists_actions:
+            raise ValueError(f"experts.demos: {self.env.name} has no expert(s) {unknown}; expected some of {list(env.experts)}")
+        if self.policy.action_mode == "admissible" and not env.lists_actions:
             raise ValueError(f"policy.action_mode: {self.env.name} does not list valid actions; use `free`")
         if self.policy.backend == "vllm" and self.model.lora.train_embeddings:
             raise ValueError("policy.backend: vLLM refuses LoRA adapters that train the embeddings (modules_to_save); set "
@@ -430,10 +412,17 @@ class CommonParams(Section):
 
 def check_splits(params, key: str, names: list[str]) -> None:
     """Raise unless the environment of `params` has every split in `names` (the value of `key`)."""
-    splits = ENVIRONMENTS[params.env.name][2]
+    splits = ENVIRONMENTS[params.env.name].splits
     bad = [n for n in names if n not in splits]
     if bad:
         raise ValueError(f"{key}: {params.env.name} has no split(s) {bad}; expected some of {list(splits)}")
+
+
+def methods() -> list[str]:
+    """The methods this installation has: the packages under `qevolve.methods`, found by name (the one place
+    where shared code reaches up to the methods: `qevolve.recipe.load_recipe` and `Params` import them so)."""
+    package = importlib.util.find_spec("qevolve.methods")
+    return sorted(m.name for m in pkgutil.iter_modules(package.submodule_search_locations) if m.ispkg)
 
 
 _assembling = False
@@ -442,11 +431,8 @@ _assembling = False
 @cache
 def _method_configs() -> list:
     """Each method package's `config` module, where it has one: its own sections (`SECTIONS`) and its
-    rules across sections (`check(params)`). Found by name (`qevolve.recipe.methods`): the one place where
-    shared code reaches up to the methods, and only when `Params` is first used, never while importing."""
+    rules across sections (`check(params)`), imported when `Params` is first used, never while importing."""
     global _assembling
-
-    from qevolve.recipe import methods
 
     if _assembling:
         raise ImportError("qevolve.config.Params was used while the method packages were being imported to build it: a method's "
@@ -477,6 +463,10 @@ def params_model() -> type[CommonParams]:
     """`Params`, the model of params.yaml: the shared sections and every method's own, assembled at its first use."""
     return create_model("Params", __base__=CommonParams, __doc__="params.yaml: the shared sections and every method's own.",
                         **{name: (cls, cls()) for name, cls in method_sections().items()})
+
+
+if TYPE_CHECKING:
+    Params = CommonParams
 
 
 def __getattr__(name: str):

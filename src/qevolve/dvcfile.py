@@ -17,6 +17,7 @@ import yaml
 
 from qevolve import paths
 from qevolve.config import EXECUTION_PATHS, Params
+from qevolve.environments import ENVIRONMENTS
 from qevolve.errors import UserError
 from qevolve.recipe import Stage, load_recipe
 
@@ -52,15 +53,24 @@ def _imports(path: Path, module_level_only: bool) -> set[str]:
     return {m for m in found if _module_file(m) is not None}
 
 
-def code_deps(module: str) -> list[str]:
+def code_deps(module: str, also: tuple[str, ...] = (), env: str | None = None) -> list[str]:
     """Every source file of the package that `qevolve run` can execute for the stage whose function is in
-    `module`: that module and what it imports, transitively (function-level imports included, so every
-    environment that `make_env` can build is there), with each module's parent packages (a method's
-    stages thereby depend on its recipe, the package's `__init__`, and its sections' `config`); plus the
-    entry points' own module-level imports. Computed from the code, so a new import can never be missing
-    from dvc.yaml. Validating params.yaml also loads the other methods' `config` modules; they only
-    declare sections that this stage does not read (`qevolve.stages.check_reads`), so they are no dep."""
-    todo = [(m, True) for m in ENTRY_POINTS] + [(module, False)]
+    `module`: that module and the modules in `also` and what they import, transitively (function-level
+    imports included), with each module's parent packages (a method's stages thereby depend on its recipe,
+    the package's `__init__`, and its sections' `config`); plus the entry points' own module-level imports;
+    and where the stage can build an environment (it imports `qevolve.envs`), the adapter module of `env`,
+    which `make_env` imports by name. Computed from the code, so a new import can never be missing from
+    dvc.yaml. Validating params.yaml also loads the other methods' `config` modules; they only declare
+    sections that this stage does not read (`qevolve.stages.check_reads`), so they are no dep."""
+    seen = _reached([(m, True) for m in ENTRY_POINTS] + [(m, False) for m in (module, *also)])
+    if env is not None and "qevolve.envs" in seen:
+        seen |= _reached([(ENVIRONMENTS[env].module, False)])
+    # An empty `__init__.py` is left out (DVC warns about empty deps); one that gains code is listed again.
+    return sorted(f"{SRC}/{f.relative_to(PACKAGE).as_posix()}" for f in map(_module_file, seen) if f.stat().st_size)
+
+
+def _reached(todo: list[tuple[str, bool]]) -> dict[str, bool]:
+    """The modules `todo`'s (module, module-level imports only) reach, with their parent packages."""
     seen: dict[str, bool] = {}
     while todo:
         name, shallow = todo.pop()
@@ -70,8 +80,7 @@ def code_deps(module: str) -> list[str]:
         parts = name.split(".")
         todo += [(".".join(parts[:i]), False) for i in range(1, len(parts)) if ".".join(parts[:i]) not in ENTRY_POINTS]
         todo += [(m, m in ENTRY_POINTS) for m in _imports(_module_file(name), module_level_only=shallow)]
-    # An empty `__init__.py` is left out (DVC warns about empty deps); one that gains code is listed again.
-    return sorted(f"{SRC}/{f.relative_to(PACKAGE).as_posix()}" for f in map(_module_file, seen) if f.stat().st_size)
+    return seen
 
 
 def _entry(stage: Stage, params: Params, iterations: list[int]) -> dict:
@@ -82,7 +91,8 @@ def _entry(stage: Stage, params: Params, iterations: list[int]) -> dict:
     k = 0 if stage.once else iterations[0]
     body = {
         "cmd": f"qevolve run {stage.name}" + ("" if stage.once else " --iteration ${key}"),
-        "deps": list(dict.fromkeys([*code_deps(stage.module), *(ref(a, p) for a, p in stage.reads(k).items()),
+        "deps": list(dict.fromkeys([*code_deps(stage.module, _section_modules(stage, params), params.env.name),
+                                    *(ref(a, p) for a, p in stage.reads(k).items()),
                                     *filter(None, (str(_value(params, key)) for key in stage.path_params))])),
         "params": [key for key in _lineage_keys(stage.params, params) if _given(params, key)],
         "outs": [ref(a, p) for a, p in stage.writes(k).items()] + ([{str(paths.details(name)): {"cache": False}}] if stage.details else []),
@@ -95,6 +105,13 @@ def _entry(stage: Stage, params: Params, iterations: list[int]) -> dict:
         return body
     items = {str(k): {a: str(p) for a, p in {**stage.reads(k), **stage.writes(k)}.items()} for k in iterations}
     return {"foreach": items, "do": body}
+
+
+def _section_modules(stage: Stage, params: Params) -> tuple[str, ...]:
+    """The modules that declare the sections the stage reads (a hierarchical stage reads its method's
+    section, `step_hrl` or `multi2`): their defaults decide what it computes where params.yaml leaves a key out."""
+    fields = type(params).model_fields
+    return tuple(sorted({fields[key.split(".")[0]].annotation.__module__ for key in stage.params}))
 
 
 def spec(params: Params) -> dict:

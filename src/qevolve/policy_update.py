@@ -15,7 +15,8 @@ from qevolve.data.store import Trajectory
 from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device
 from qevolve.models.prompt import Window
-from qevolve.training import is_sharded, local_share, pad_ids
+from qevolve.training import is_sharded, local_share
+from qevolve.models.device import pad_ids
 
 
 

@@ -13,12 +13,12 @@ params.yaml; nothing else registers it (docs/adding-a-method.md).
 from __future__ import annotations
 
 import importlib
-import pkgutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from qevolve import paths
+from qevolve.config import methods
 from qevolve.errors import UserError
 
 MODEL_PARAMS = ("model.base", "model.embedded", "model.lora", "model.context_tokens", "model.dtype")
@@ -28,6 +28,29 @@ BUILDER_PARAMS = ("prompt.max_observation_tokens",)
 """What `make_builder` reads beside the prompt saved with the policy."""
 ACTING_PARAMS = ("env", *MODEL_PARAMS, *BUILDER_PARAMS, "policy.action_mode", "policy.max_new_tokens")
 """What playing a saved policy in the environment reads."""
+
+
+@dataclass(frozen=True)
+class Logged:
+    """What the evolution logs to MLflow for a stage beside its metrics (`flows.tracking.log_stage`)."""
+
+    curve: tuple[str, ...] = ()
+    """Keys of its curve (`Stage.curve`) logged as per-step metrics `<stage>/train_<key>`, against the curve's x."""
+    artifact: tuple[str, str] | None = None
+    """(argument of its `writes`, MLflow folder): an output folder logged whole (a trained adapter)."""
+    trajectories: str | None = None
+    """The argument of its `writes` that holds a step store: a sample rendered as `trajectories/<stage>.md`."""
+    histogram: bool = False
+    """Its curve is a histogram (x, count), logged as a figure."""
+
+
+TRAINED_POLICY = Logged(("loss", "pg_loss", "kl", "clip_fraction", "ratio", "logp"), ("out", "policy_adapter"))
+"""An RL policy update's logs: its loss terms and the adapter."""
+TRAINED_CRITIC = Logged(("loss", "v_loss", "q_loss"), ("out", "critic_adapter"))
+ONLINE_LOGGED = Logged(("success_rate", "loss", "kl", "clip_fraction", "env_steps"), ("out", "policy_adapter"))
+"""An online RL stage's logs: its rounds' success and update terms, and the adapter."""
+PLAYED = Logged(trajectories="out")
+"""A rollout stage's logs: a sample of its episodes."""
 
 
 class UnknownStage(UserError, ValueError):
@@ -66,17 +89,21 @@ class Stage:
     at: Callable[[int], bool] | None = None
     """The iterations it runs in (None: every one), for a method whose first iterations differ from the
     later ones (Multi²: offline in iteration 1, online after)."""
+    logged: Logged = Logged()
+    """What MLflow gets of it beside its metrics."""
 
     def runs_at(self, k: int) -> bool:
         return self.at is None or self.at(k)
 
 
+BC_LOGGED = Logged(("loss",), ("out", "bc_adapter"))
 SETUP = (
-    Stage("experts", "qevolve.stages.experts", lambda k: {}, lambda k: {"out": paths.EXPERTS}, ("env", "experts"), once=True, details=True),
+    Stage("experts", "qevolve.stages.experts", lambda k: {}, lambda k: {"out": paths.EXPERTS}, ("env", "experts"), once=True, details=True,
+          logged=PLAYED),
     Stage("base", "qevolve.stages.base", lambda k: {"experts_dir": paths.EXPERTS}, lambda k: {"out": paths.BASE},
           ("env.name", "model.base", "model.embedded", "model.context_tokens"), once=True),
     Stage("bc", "qevolve.stages.bc", lambda k: {"base_dir": paths.BASE, "experts_dir": paths.EXPERTS}, lambda k: {"out": paths.BC},
-          ("env", *MODEL_PARAMS, "prompt", "bc"), once=True, curve=("step", "loss"), trainer=True),
+          ("env", *MODEL_PARAMS, "prompt", "bc"), once=True, curve=("step", "loss"), trainer=True, logged=BC_LOGGED),
 )
 """The stages every method starts with, once."""
 
@@ -101,6 +128,12 @@ class Recipe:
     """The params keys that this method's `evaluate` reads beside `ACTING_PARAMS` and `evaluate`."""
     demonstrations: str = "experts"
     """The setup stage that played the demonstrations: its metrics carry the env steps policy 0 cost."""
+    seed_keys: dict[str, int] = field(default_factory=dict)
+    """The seeds of its own sections: a benchmark table's seed s sets each to its default + s * step
+    (`flows.table_spec`; the shared sections' seeds are set for every method)."""
+    smoke: dict = field(default_factory=dict)
+    """Parameters (over the defaults, with `evolve.iterations: 1`) under which every stage of its recipe is in
+    dvc.yaml: what the tests of dvc.yaml's deps and of the flow's order check it with."""
 
     def steps_before(self, k: int) -> Path:
         """The metrics file with the env steps spent to train policy k: the experts' for k = 0, else
@@ -114,6 +147,7 @@ class Recipe:
             "evaluate", self.evaluate_module,
             lambda k: {"base_dir": paths.BASE, "policy_dir": paths.policy(k), "env_steps_path": self.steps_before(k)},
             lambda k: {"out": paths.evaluation(k)}, (*ACTING_PARAMS, "evaluate", *self.evaluate_params), takes_iteration=True,
+            logged=PLAYED,
         )
 
     def iteration_stages(self, params) -> tuple[Stage, ...]:
@@ -137,13 +171,6 @@ class Recipe:
                 + [(s, k) for k in range(1, iterations + 1) for s in each if s.runs_at(k)])
 
 
-
-
-def methods() -> list[str]:
-    """The methods this installation has: the packages under `qevolve.methods`."""
-    from qevolve import methods as package
-
-    return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.ispkg)
 
 
 def load_recipe(method: str) -> Recipe:

@@ -31,37 +31,12 @@ from tqdm import tqdm
 
 from qevolve.config import ModelConfig, TrainConfig, TrainRunConfig
 from qevolve.data.atomic import atomic_path
-from qevolve.models.device import model_device, peak_tflops, resolve_device, resolve_dtype
+from qevolve.models.device import model_device, peak_tflops, rank_and_world, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 M = TypeVar("M", bound=torch.nn.Module)
-
-
-def pad_ids(seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token lists to the longest: (ids, attention_mask), each (B, T), on `device`."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(list(s))
-        attn[i, : len(s)] = 1
-    return ids.to(device), attn.to(device)
-
-
-def rank_and_world() -> tuple[int, int]:
-    """This process's rank and the number of processes (0, 1 outside torch.distributed)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def is_main() -> bool:
-    """Whether this process writes artifacts: rank 0, or the only process."""
-    return rank_and_world()[0] == 0
 
 
 def local_share(micro: list[list[T]], even: bool = False) -> list[tuple[list[T], float]]:

@@ -8,13 +8,18 @@ Three rules, checked in this order; the first that applies gives the step its pe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from qevolve.methods.qevolve.config import RelabelConfig
+from typing import Protocol
 
 
-def relabel_step(action: str | None, valid: bool, observation: str, next_observation: str, cfg: RelabelConfig) -> tuple[float, str]:
+class Penalties(Protocol):
+    """The three rules' penalties (Q-Evolve's `relabel` section), each subtracted from the step's reward."""
+
+    format_penalty: float
+    rejected_penalty: float
+    unchanged_penalty: float
+
+
+def relabel_step(action: str | None, valid: bool, observation: str, next_observation: str, cfg: Penalties) -> tuple[float, str]:
     """(auxiliary reward, reason) of one step; (0.0, "") when no rule applies."""
     if action is None:
         return -cfg.format_penalty, "format"

@@ -5,7 +5,9 @@ from __future__ import annotations
 import random
 
 from qevolve.config import EnvConfig
+from qevolve.environments import ENVIRONMENTS, adapter
 from qevolve.envs.base import Observation, Step, Task, TextEnv
+from qevolve.errors import UserError
 
 __all__ = ["Observation", "Step", "Task", "TextEnv", "check_data", "check_tasks", "make_env", "select_tasks"]
 
@@ -22,62 +24,24 @@ def make_env(cfg: EnvConfig, expert: str | None = None, *, worker: bool = False)
         from qevolve.envs.worker import EnvWorker
 
         return EnvWorker(cfg, expert)
-    if cfg.name == "alfworld":
-        from qevolve.envs.alfworld import AlfworldEnv
+    return adapter(cfg.name).create(cfg, expert)
 
-        return AlfworldEnv(expert=expert)
-    if cfg.name == "scienceworld":
-        from qevolve.envs.scienceworld import ScienceWorldEnv
 
-        return ScienceWorldEnv(expert=expert)
-    if cfg.name == "textcraft":
-        from qevolve.envs.textcraft import TextCraftEnv
-
-        return TextCraftEnv()
-    if cfg.name == "webshop":
-        from qevolve.envs.webshop import WebShopEnv
-
-        return WebShopEnv(cfg.data_dir or None)
-    if cfg.name == "terminal":
-        from qevolve.envs.terminal import TerminalEnv
-
-        return TerminalEnv(cfg.data_dir, cfg.terminal, cfg.max_steps, expert)
-    raise ValueError(f"env.name: unknown environment {cfg.name!r}")
+class MissingData(UserError, FileNotFoundError):
+    """An environment's data is not where it is read from; the hint says where that is (`EnvSpec.data`)."""
 
 
 def check_data(cfg: EnvConfig, generated: bool = False) -> None:
     """Fail before any compute when the environment's data is missing; ALFWorld's is prepared here.
     `generated`: a stage of the pipeline writes `env.data_dir` (TerminalTraj's tasks), so it is not read yet."""
-    if cfg.name == "alfworld":
-        from qevolve.envs.alfworld import ensure_alfworld_data
-
-        ensure_alfworld_data()
-    elif cfg.name == "scienceworld":
-        from qevolve.envs.scienceworld import list_tasks
-
-        _check_types(cfg, list_tasks("train"))
-    elif cfg.name == "webshop":
-        from qevolve.envs.webshop import WebShopEnv
-
-        _check_types(cfg, WebShopEnv(cfg.data_dir or None).tasks("train"))
-    elif cfg.name == "terminal":
-        from qevolve.envs.sandbox import SandboxError, available
-        from qevolve.envs.terminal import TerminalEnv
-
-        if why := available(cfg.terminal.sandbox, cfg.terminal.image):
-            raise SandboxError(f"env.terminal.sandbox: {why}")
-        if not cfg.data_dir:
-            raise ValueError("env.data_dir: the terminal environment needs the folder of its <split>/<task id>/ task folders")
-        if not generated:
-            _check_types(cfg, TerminalEnv(cfg.data_dir, cfg.terminal, cfg.max_steps).tasks("train"))
-
-
-def _check_types(cfg: EnvConfig, tasks) -> None:
-    """`env.task_types` against the types the data defines (ScienceWorld's task names, WebShop's categories)."""
-    known = sorted({t.type for t in tasks})
-    unknown = [t for t in cfg.task_types if t not in known]
-    if unknown:
-        raise ValueError(f"env.task_types: {cfg.name} has no task type(s) {unknown} in its train split; expected some of {known}")
+    try:
+        adapter(cfg.name).check_data(cfg, generated)
+    except FileNotFoundError as err:
+        if isinstance(err, UserError):
+            raise
+        missing = MissingData(f"env.name {cfg.name}: {err}")
+        missing.hint = f"{cfg.name} reads {ENVIRONMENTS[cfg.name].data}"
+        raise missing from None
 
 
 def check_tasks(env: TextEnv, trajectories, source: str) -> None:

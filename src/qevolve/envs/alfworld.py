@@ -24,20 +24,12 @@ import warnings
 from functools import lru_cache
 from pathlib import Path
 
+from qevolve.environments import ENVIRONMENTS
 from qevolve.envs.base import Observation, Step, Task
 from qevolve.errors import UserError
 
-TASK_TYPES = (
-    "pick_and_place_simple",
-    "look_at_obj_in_light",
-    "pick_clean_then_place_in_recep",
-    "pick_heat_then_place_in_recep",
-    "pick_cool_then_place_in_recep",
-    "pick_two_obj_and_place",
-)
-SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")
+SPEC = ENVIRONMENTS["alfworld"]
 REJECTED = "Nothing happens."
-EXPERTS = ("handcoded", "walkthrough")
 ARCHIVE_NAME = "json_2.1.1_all_splits.tar.xz"
 
 
@@ -117,8 +109,8 @@ def _unpack(archive: Path, root: Path) -> None:
 @lru_cache(maxsize=None)
 def list_tasks(root: str, split: str) -> tuple[Task, ...]:
     """Every game of a split, sorted, as ALFWorld's loader finds them (no movable or sliced games)."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown ALFWorld split {split!r}; expected one of {SPLITS}")
+    if split not in SPEC.splits:
+        raise ValueError(f"unknown ALFWorld split {split!r}; expected one of {SPEC.splits}")
     base = Path(root) / "json_2.1.1" / split
     if not base.is_dir():
         raise AlfworldDataError(f"{base}: no such folder; is ALFWORLD_DATA={root} an ALFWorld data folder?")
@@ -265,8 +257,8 @@ class AlfworldEnv:
     def __init__(self, data_dir: Path | str | None = None, expert: str | None = "handcoded"):
         """`expert`: `handcoded` (searches as a person does), `walkthrough` (the game's omniscient gold path)
         or None (no expert, for policy rollouts)."""
-        if expert not in EXPERTS + (None,):
-            raise ValueError(f"unknown ALFWorld expert {expert!r}; expected one of {EXPERTS}")
+        if expert not in SPEC.experts + (None,):
+            raise ValueError(f"unknown ALFWorld expert {expert!r}; expected one of {SPEC.experts}")
         self.root = Path(data_dir) if data_dir else ensure_alfworld_data()
         self.expert = expert
         self._env = None
@@ -332,3 +324,12 @@ class AlfworldEnv:
         if self._env is not None:
             self._env.close()
             self._env = None
+
+
+def create(cfg, expert: str | None) -> AlfworldEnv:
+    return AlfworldEnv(expert=expert)
+
+
+def check_data(cfg, generated: bool = False) -> None:
+    """Prepare ALFWorld's games (`ensure_alfworld_data`)."""
+    ensure_alfworld_data()

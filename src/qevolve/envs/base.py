@@ -116,3 +116,11 @@ def read_split_file(path: Path):
         raise FileNotFoundError(f"{path}: split file missing") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON: {err}") from None
+
+
+def check_types(cfg, tasks) -> None:
+    """`env.task_types` against the types the data defines (ScienceWorld's task names, WebShop's categories)."""
+    known = sorted({t.type for t in tasks})
+    unknown = [t for t in cfg.task_types if t not in known]
+    if unknown:
+        raise ValueError(f"env.task_types: {cfg.name} has no task type(s) {unknown} in its train split; expected some of {known}")

@@ -28,9 +28,9 @@ OBJECT_STORE_BYTES = 256 * 2**20
 
 class _EnvActor:
     def __init__(self, cfg: EnvConfig, expert: str | None):
-        from qevolve.envs import make_env
+        from qevolve.environments import adapter
 
-        self.env = make_env(cfg, expert)
+        self.env = adapter(cfg.name).create(cfg, expert)
 
     def pid(self) -> int:
         return os.getpid()

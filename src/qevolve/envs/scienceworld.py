@@ -21,11 +21,10 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-from qevolve.envs.base import Observation, Step, Task, read_split_file, splits_dir
+from qevolve.envs.base import Observation, Step, Task, check_types, read_split_file, splits_dir
 
 SPLIT_FILES = {"train": "train_indices.json", "valid_seen": "dev_indices.json", "valid_unseen": "test_indices.json"}
 REJECTED_PREFIXES = ("No known action matches that input", "Unknown action")
-EXPERTS = ("gold",)
 JVM_HEAP = "-Xmx512m"
 SIMPLIFICATION = "easy"
 
@@ -105,3 +104,11 @@ class ScienceWorldEnv:
         if self._sim is not None:
             self._sim.close()
             self._sim = None
+
+
+def create(cfg, expert: str | None) -> ScienceWorldEnv:
+    return ScienceWorldEnv(expert=expert)
+
+
+def check_data(cfg, generated: bool = False) -> None:
+    check_types(cfg, list_tasks("train"))

@@ -39,11 +39,10 @@ import tomllib
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from qevolve.envs.base import Observation, Step, Task
-from qevolve.envs.sandbox import Limits, Session, read_regular
+from qevolve.envs.base import Observation, Step, Task, check_types
+from qevolve.envs.sandbox import Limits, SandboxError, Session, available, read_regular
 
 SUBMIT = "submit"
-EXPERTS = ("oracle",)
 
 
 class TaskError(ValueError):
@@ -237,3 +236,18 @@ class TerminalEnv:
         if self.episode_dir is not None:
             shutil.rmtree(self.episode_dir, ignore_errors=True)
             self.episode_dir = None
+
+
+def create(cfg, expert: str | None) -> TerminalEnv:
+    return TerminalEnv(cfg.data_dir, cfg.terminal, cfg.max_steps, expert)
+
+
+def check_data(cfg, generated: bool = False) -> None:
+    """The sandbox works here and `env.data_dir` is set; its train tasks' types unless `generated` (a stage of
+    the pipeline writes them)."""
+    if why := available(cfg.terminal.sandbox, cfg.terminal.image):
+        raise SandboxError(f"env.terminal.sandbox: {why}")
+    if not cfg.data_dir:
+        raise ValueError("env.data_dir: the terminal environment needs the folder of its <split>/<task id>/ task folders")
+    if not generated:
+        check_types(cfg, TerminalEnv(cfg.data_dir, cfg.terminal, cfg.max_steps).tasks("train"))

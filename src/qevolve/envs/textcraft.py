@@ -21,11 +21,11 @@ import random
 from collections import Counter
 from functools import lru_cache
 
+from qevolve.environments import ENVIRONMENTS
 from qevolve.envs.base import Observation, Step, Task
 
-SPLITS = ("train", "test")
 REJECTED_PREFIXES = ("Could not", "Wrong item format")
-EXPERTS = ("planner",)
+SPEC = ENVIRONMENTS["textcraft"]
 MAX_DISTRACTORS = 10
 
 
@@ -63,8 +63,8 @@ def _goals() -> dict[str, tuple[str, int]]:
 
 
 def list_tasks(split: str) -> list[Task]:
-    if split not in SPLITS:
-        raise ValueError(f"unknown TextCraft split {split!r}; expected one of {SPLITS}")
+    if split not in SPEC.splits:
+        raise ValueError(f"unknown TextCraft split {split!r}; expected one of {SPEC.splits}")
     return [Task(id=g, split=s, type=f"depth{d}") for g, (s, d) in _goals().items() if s == split]
 
 
@@ -208,3 +208,11 @@ class TextCraftEnv:
 
     def close(self) -> None:
         self._env = None
+
+
+def create(cfg, expert: str | None) -> TextCraftEnv:
+    return TextCraftEnv()
+
+
+def check_data(cfg, generated: bool = False) -> None:
+    """Nothing to check: the recipes ship with the `textcraft` package."""

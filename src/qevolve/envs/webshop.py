@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from qevolve.envs.base import Observation, Step, Task, read_split_file, splits_dir
+from qevolve.environments import ENVIRONMENTS
+from qevolve.envs.base import Observation, Step, Task, check_types, read_split_file, splits_dir
 from qevolve.errors import UserError
 
 FILES = ("items_shuffle_1000.json", "items_ins_v2_1000.json", "items_human_ins.json")
-SPLITS = ("train", "test")
-EXPERTS = ("gold",)
+SPEC = ENVIRONMENTS["webshop"]
 SEED = 233
 PRICE_RANGE = [10.0 * i for i in range(1, 100)]
 PAGE_SIZE, MAX_RESULTS = 10, 50
@@ -205,8 +205,8 @@ def search(folder: str, query: str) -> list[str]:
 
 
 def list_tasks(folder: str, split: str) -> list[Task]:
-    if split not in SPLITS:
-        raise ValueError(f"unknown WebShop split {split!r}; expected one of {SPLITS}")
+    if split not in SPEC.splits:
+        raise ValueError(f"unknown WebShop split {split!r}; expected one of {SPEC.splits}")
     catalogue = load_catalogue(folder)
     own = catalogue.folder / "splits"
     path = (own if own.is_dir() else splits_dir("webshop")) / f"{split}_indices.json"
@@ -398,3 +398,11 @@ class WebShopEnv:
 
     def close(self) -> None:
         self._goal = None
+
+
+def create(cfg, expert: str | None) -> WebShopEnv:
+    return WebShopEnv(cfg.data_dir or None)
+
+
+def check_data(cfg, generated: bool = False) -> None:
+    check_types(cfg, WebShopEnv(cfg.data_dir or None).tasks("train"))

@@ -27,9 +27,9 @@ class EnvWorkerError(RuntimeError):
 
 
 def _serve(conn, cfg: EnvConfig, expert: str | None) -> None:
-    from qevolve.envs import make_env
+    from qevolve.environments import adapter
 
-    env = make_env(cfg, expert)
+    env = adapter(cfg.name).create(cfg, expert)
     while True:
         try:
             op, args = conn.recv()

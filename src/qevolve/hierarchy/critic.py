@@ -17,7 +17,7 @@ from qevolve.hierarchy.roles import ROLES, encode
 from qevolve.models.base import causal_lm
 from qevolve.models.device import model_device
 from qevolve.models.policy import load_policy
-from qevolve.training import pad_ids
+from qevolve.models.device import pad_ids
 
 
 class LevelCritic(nn.Module):

@@ -25,7 +25,7 @@ from typing import Callable
 
 from qevolve.data.store import Trajectory
 from qevolve.hierarchy.annotators import NONE, Label
-from qevolve.models.prompt import INTRODUCTIONS, REPLY
+from qevolve.environments import ENVIRONMENTS, REPLY
 
 ROLES = ("high", "low", "progress")
 _INTROS = {
@@ -73,7 +73,7 @@ class RolePrompts:
     history: bool = False
 
     def intro(self, role: str) -> str:
-        return f"{INTRODUCTIONS[self.env].replace(REPLY, '').strip()} {_INTROS[role]}"
+        return f"{ENVIRONMENTS[self.env].intro.replace(REPLY, '').strip()} {_INTROS[role]}"
 
     def high(self, instruction: str, done: list[str], last_progress: str, observation: str) -> str:
         lines = [self.intro("high"), f"Task: {instruction}", f"Subtasks done: {', '.join(done) or NONE}"]

@@ -1,6 +1,6 @@
 """What the hierarchical stages share: the roles file saved with a policy, the prompts' token ids, the
 agent. These stages (annotate, bc, collect, critic, evaluate) serve every hierarchical method (STEP-HRL,
-Multi²), each reading the section named after its method (`qevolve.methods.step_hrl.config.section`)."""
+Multi²), each reading the section named after its method (`qevolve.hierarchy.config.section`)."""
 
 from __future__ import annotations
 

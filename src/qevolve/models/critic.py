@@ -23,7 +23,7 @@ from qevolve.models.base import causal_lm
 from qevolve.models.device import model_device
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PromptBuilder, Window
-from qevolve.training import is_main, pad_ids
+from qevolve.models.device import is_main, pad_ids
 
 HEADS_FILE = "heads.safetensors"
 

@@ -8,6 +8,7 @@ can be pointed at a device without editing params.yaml (the device is not part o
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 import torch
 
@@ -77,3 +78,28 @@ def placement(model: torch.nn.Module) -> dict:
     if p.device.type == "cuda":
         out["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated(p.device) / 2**30
     return out
+
+
+def pad_ids(seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists to the longest: (ids, attention_mask), each (B, T), on `device`."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(list(s))
+        attn[i, : len(s)] = 1
+    return ids.to(device), attn.to(device)
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of processes (0, 1 outside torch.distributed)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_main() -> bool:
+    """Whether this process writes artifacts: rank 0, or the only process."""
+    return rank_and_world()[0] == 0

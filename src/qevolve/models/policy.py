@@ -100,17 +100,6 @@ def use_adapter(model, name: str) -> None:
         p.requires_grad_(True)
 
 
-def rollout_backend(params, base_dir: Path, policy_dir: Path) -> tuple[RolloutBackend, object]:
-    """(backend, tokenizer) for a rollout stage's actor: `local_backend` in this process, or with
-    `policy.replicas`, Ray actors that each build one (`qevolve.models.ray_policy`)."""
-    if params.policy.replicas:
-        from qevolve.models.base import load_tokenizer
-        from qevolve.models.ray_policy import RayPolicyBackend
-
-        return RayPolicyBackend(params, base_dir, policy_dir), load_tokenizer(base_dir)
-    return local_backend(params, base_dir, policy_dir)
-
-
 def local_backend(params, base_dir: Path, policy_dir: Path) -> tuple[RolloutBackend, object]:
     """(backend, tokenizer) for `policy.backend` in this process: `rollout_engine` on the policy at `policy_dir`,
     or vLLM with that adapter (scoring, in admissible mode, on `rollout_engine`; in free mode nothing else
@@ -248,7 +237,7 @@ class BestOfN(Actor):
     @torch.no_grad()
     def q_values(self, seqs: list[list[int]]) -> list[float]:
         """The critic's Q at the last token of each sequence (a prompt followed by one action turn)."""
-        from qevolve.training import pad_ids
+        from qevolve.models.device import pad_ids
 
         out = []
         for i in range(0, len(seqs), self.batch_size):

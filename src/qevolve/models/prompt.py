@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qevolve.environments import ENVIRONMENTS
 from qevolve.errors import artifact
 
 if TYPE_CHECKING:
@@ -24,22 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-REPLY = ("At each turn, reply with one action as 'Action: <command>' (you may think first on a line "
-          "'Thought: ...'). The environment answers with what you observe.")
-INTRODUCTIONS = {
-    "alfworld": f"Interact with a household to solve a task. {REPLY}",
-    "scienceworld": f"Carry out a science experiment in a simulated world to solve a task. {REPLY}",
-    "webshop": f"Shop on a web store for the product you are asked for. Use search[query] on the search page and "
-               f"click[button] to click a listed button. {REPLY}",
-    "textcraft": f"Craft an item in Minecraft. Use 'get N item' for base items, 'craft N item using N item, ...' "
-                 f"with the listed recipes, and 'inventory'. {REPLY}",
-    "terminal": f"Complete a task in a Linux shell, one bash command per turn; the command 'submit' ends the task. {REPLY}",
-}
-"""The first words of every prompt, per environment."""
-KEEP_CASE = ("terminal",)
-"""Environments whose actions are case-sensitive (shell commands): their actions are parsed as written,
-the others' lower-cased."""
-INSTRUCTION = INTRODUCTIONS["alfworld"]
+INSTRUCTION = ENVIRONMENTS["alfworld"].intro
 
 _ACTION_RE = re.compile(r"^\s*action\s*:\s*(.*?)\s*$", re.IGNORECASE | re.MULTILINE)
 

@@ -9,12 +9,17 @@ episode (`qevolve.rollout.episode_seed`), so the episodes a stage collects do no
 
 The stage joins the cluster `RAY_ADDRESS` names, or starts a local one on loopback
 (`qevolve.envs.ray_worker.connect`). A replica that dies fails the stage with an error naming it; rerun
-the evolution to run the stage again. Nothing of Prefect runs in the replicas.
+the evolution to run the stage again. Nothing of Prefect runs in the replicas. `rollout_backend` is what
+a rollout stage asks for: the replicas, or without them the policy in the stage's own process.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qevolve.models.backend import RolloutBackend
 
 
 class _Replica:
@@ -85,3 +90,15 @@ class RayPolicyBackend:
         import ray
 
         return {**ray.get(self.replicas[0].call.remote("placement")), "replicas": len(self.replicas)}
+
+
+def rollout_backend(params, base_dir: Path, policy_dir: Path) -> tuple[RolloutBackend, object]:
+    """(backend, tokenizer) for a rollout stage's actor: `local_backend` in this process, or with
+    `policy.replicas`, Ray actors that each build one (`RayPolicyBackend`)."""
+    if params.policy.replicas:
+        from qevolve.models.base import load_tokenizer
+
+        return RayPolicyBackend(params, base_dir, policy_dir), load_tokenizer(base_dir)
+    from qevolve.models.policy import local_backend
+
+    return local_backend(params, base_dir, policy_dir)

@@ -8,12 +8,12 @@ from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import read_store
 from qevolve.models.base import build_embedded, write_pointer
-from qevolve.models.prompt import INTRODUCTIONS
+from qevolve.environments import ENVIRONMENTS
 
 
 def corpus(experts_dir: Path, env: str) -> list[str]:
     """Environment text the embedded tokenizer is trained on: instructions, observations, actions."""
-    texts = [INTRODUCTIONS[env], "Action: Thought: Your task is to: Here is an example."]
+    texts = [ENVIRONMENTS[env].intro, "Action: Thought: Your task is to: Here is an example."]
     for traj in read_store(experts_dir):
         texts.append(traj.instruction)
         for s in traj.steps:

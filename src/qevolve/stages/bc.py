@@ -14,7 +14,8 @@ from qevolve.data.store import Trajectory, read_store
 from qevolve.envs import check_tasks, make_env
 from qevolve.models.base import target_logprobs
 from qevolve.models.policy import load_policy
-from qevolve.models.prompt import INTRODUCTIONS, KEEP_CASE, PROMPT_FILE, PromptBuilder, build_examples
+from qevolve.environments import ENVIRONMENTS
+from qevolve.models.prompt import PROMPT_FILE, PromptBuilder, build_examples
 from qevolve.models.device import model_device, placement
 from qevolve.training import (
     checkpoint_path, full_state, input_digest, is_main, is_sharded, last_epoch_mean, loading_config, local_share, packed_rows, pad_ids, shard, train, train_speed,
@@ -63,7 +64,7 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
     model = shard(model, params.train, params.model.device)
     one_shot = one_shot_text(trajs) if params.prompt.one_shot else ""
     builder = PromptBuilder(tok, params.model.context_tokens, one_shot, params.prompt.repeat_task, params.prompt.max_observation_tokens,
-                            INTRODUCTIONS[params.env.name], params.env.name in KEEP_CASE)
+                            ENVIRONMENTS[params.env.name].intro, ENVIRONMENTS[params.env.name].keep_case)
     examples = build_examples(builder, trajs)
     pack_tokens = params.model.context_tokens if cfg.pack else 0
     start = time.perf_counter()

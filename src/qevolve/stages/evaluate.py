@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 from qevolve.config import Params
-from qevolve.models.policy import Actor, rollout_backend
+from qevolve.models.policy import Actor
+from qevolve.models.ray_policy import rollout_backend
 from qevolve.models.prompt import make_builder
 from qevolve.rollout import play_splits
 

@@ -29,7 +29,8 @@ from qevolve.hierarchy.shared import load_roles_policy, role_builder, save_roles
 from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device, placement
 from qevolve.models.policy import use_adapter
-from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train, train_speed
+from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, train, train_speed
+from qevolve.models.device import pad_ids
 
 LEVEL = "low"
 TAU = 0.5

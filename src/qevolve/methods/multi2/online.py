@@ -43,7 +43,8 @@ from qevolve.models.base import target_logprobs
 from qevolve.models.device import placement
 from qevolve.models.policy import load_policy, use_adapter
 from qevolve.rollout import another_round, play_in, spent
-from qevolve.training import changing_tensors, checkpoint_path, fingerprint, input_digest, load_round, pad_ids, trained_state
+from qevolve.training import changing_tensors, checkpoint_path, fingerprint, input_digest, load_round, trained_state
+from qevolve.models.device import pad_ids
 
 LEVEL, ANCHOR = "low", "anchor"
 """System 2's role, and the name of the frozen offline adapter the KL is measured against."""

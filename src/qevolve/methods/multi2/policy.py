@@ -28,7 +28,8 @@ from qevolve.models.backend import HFBackend
 from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device, placement
 from qevolve.models.policy import use_adapter
-from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train, train_speed
+from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, train, train_speed
+from qevolve.models.device import pad_ids
 
 Item = tuple[str, list[int], list[int], float]
 """(role, the state's prompt ids, the data's output ids, its advantage)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from qevolve import paths
 from qevolve.methods.qevolve.config import SECTIONS  # its sections: their defaults are a dep of every stage of the method
-from qevolve.recipe import ACTING_PARAMS, BUILDER_PARAMS, MODEL_PARAMS, Recipe, Stage
+from qevolve.recipe import ACTING_PARAMS, BUILDER_PARAMS, MODEL_PARAMS, PLAYED, TRAINED_CRITIC, TRAINED_POLICY, Logged, Recipe, Stage
 
 HERE = __name__
 
@@ -23,14 +23,16 @@ def _iteration(params, recipe: Recipe) -> tuple[Stage, ...]:
         Stage("relabel", f"{HERE}.relabel", lambda k: {"experts_dir": paths.EXPERTS, "collected_dir": paths.collected(k)},
               lambda k: {"out": paths.hybrid(k)}, ("env", "relabel")),
         Stage("critic", f"{HERE}.critic", lambda k: {"base_dir": paths.BASE, "policy_dir": paths.policy(k - 1), "data_dir": paths.hybrid(k)},
-              lambda k: {"out": paths.critic(k)}, (*MODEL_PARAMS, *BUILDER_PARAMS, "critic"), curve=("step", "loss"), trainer=True),
+              lambda k: {"out": paths.critic(k)}, (*MODEL_PARAMS, *BUILDER_PARAMS, "critic"), curve=("step", "loss"), trainer=True,
+              logged=TRAINED_CRITIC),
         Stage("advantage", f"{HERE}.advantage", lambda k: {"base_dir": paths.BASE, "critic_dir": paths.critic(k), "data_dir": paths.hybrid(k)},
               lambda k: {"out": paths.advantages(k)}, (*MODEL_PARAMS, *BUILDER_PARAMS, "critic.micro_batch_size", "advantage"),
-              curve=("advantage", "count")),
+              curve=("advantage", "count"), logged=Logged(histogram=True)),
         Stage("policy", f"{HERE}.policy",
               lambda k: {"base_dir": paths.BASE, "previous_dir": paths.policy(k - 1), "bc_dir": paths.BC, "data_dir": paths.hybrid(k),
                          "advantage_dir": paths.advantages(k)},
-              lambda k: {"out": paths.policy(k)}, (*MODEL_PARAMS, *BUILDER_PARAMS, "policy"), curve=("step", "loss"), trainer=True),
+              lambda k: {"out": paths.policy(k)}, (*MODEL_PARAMS, *BUILDER_PARAMS, "policy"), curve=("step", "loss"), trainer=True,
+              logged=TRAINED_POLICY),
     )
     if not params.rerank.best_of:
         return stages
@@ -38,9 +40,10 @@ def _iteration(params, recipe: Recipe) -> tuple[Stage, ...]:
         "rerank", f"{HERE}.rerank",
         lambda k: {"base_dir": paths.BASE, "policy_dir": paths.policy(k - 1), "critic_dir": paths.critic(k), "env_steps_path": steps(k)},
         lambda k: {"out": paths.reranked(k)}, (*ACTING_PARAMS, "critic.micro_batch_size", "evaluate", "rerank"), takes_iteration=True,
+        logged=PLAYED,
     )
     return (*stages, rerank)
 
 
-RECIPE = Recipe("qevolve", _iteration, plays="collect")
+RECIPE = Recipe("qevolve", _iteration, plays="collect", seed_keys={"critic.seed": 1}, smoke={"rerank": {"best_of": 2}})
 __all__ = ["RECIPE", "SECTIONS"]

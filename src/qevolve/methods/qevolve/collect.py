@@ -11,7 +11,8 @@ from qevolve.data.atomic import write_json
 from qevolve.data.store import write_store
 from qevolve.envs import make_env, select_tasks
 from qevolve.envs.base import check_env_failures, env_failures
-from qevolve.models.policy import Actor, rollout_backend
+from qevolve.models.policy import Actor
+from qevolve.models.ray_policy import rollout_backend
 from qevolve.models.prompt import make_builder
 from qevolve.rollout import collection_metrics, play_in
 

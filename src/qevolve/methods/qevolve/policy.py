@@ -22,7 +22,8 @@ from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PROMPT_FILE, make_builder
 from qevolve.policy_update import policy_items, policy_step, reference_pass
 from qevolve.models.device import placement
-from qevolve.training import checkpoint_path, full_state, input_digest, is_main, last_epoch_mean, loading_config, shard, train, train_speed
+from qevolve.training import checkpoint_path, full_state, input_digest, last_epoch_mean, loading_config, shard, train, train_speed
+from qevolve.models.device import is_main
 
 
 def policy(

@@ -19,7 +19,8 @@ from qevolve.hierarchy.roles import ROLES, encode
 from qevolve.hierarchy.shared import advantage_of, load_roles_policy, read_advantages, role_builder, role_groups, save_roles_policy, training_sets
 from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device, placement
-from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, pad_ids, train, train_speed
+from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, train, train_speed
+from qevolve.models.device import pad_ids
 
 Item = tuple[str, list[int], list[int], float]
 """(role, ids, mask over the output, advantage)."""

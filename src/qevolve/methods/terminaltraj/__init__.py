@@ -27,6 +27,9 @@ _base, _bc = (s for s in SETUP if s.name in ("base", "bc"))
 
 RECIPE = replace(
     load_recipe("qevolve"), name="terminaltraj", demonstrations="teacher",
+    seed_keys={**load_recipe("qevolve").seed_keys, "terminaltraj.filter.seed": 1},
+    smoke={"env": {"name": "terminal", "data_dir": "data/instances"}, "experts": {"demos": {"oracle": 1}}, "policy": {"action_mode": "free"},
+           "evaluate": {"splits": {"test": 0}}},
     setup=(
         Stage("generate", f"{HERE}.generate", lambda k: {}, lambda k: {"out": Path(INSTANCES)}, ("env.max_steps", "env.terminal", "terminaltraj.generate"),
               once=True, details=True, path_params=("terminaltraj.generate.sources",)),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qevolve import paths
-from qevolve.recipe import ACTING_PARAMS, BUILDER_PARAMS, MODEL_PARAMS, SETUP, Stage
+from qevolve.recipe import ACTING_PARAMS, BC_LOGGED, BUILDER_PARAMS, MODEL_PARAMS, SETUP, TRAINED_CRITIC, Stage
 
 HERE = __name__
 ANNOTATED = Path("data/annotate")
@@ -39,7 +39,7 @@ def hierarchical_stages(name: str, compat: tuple[str, ...] = ()) -> dict[str, St
                            f"{name}.llm_url", f"{name}.llm_model", *rewards), once=True),
         "bc": Stage("bc", f"{HERE}.bc", lambda k: {"base_dir": paths.BASE, "data_dir": ANNOTATED}, lambda k: {"out": paths.BC},
                     ("env.name", *MODEL_PARAMS, *BUILDER_PARAMS, "bc", f"{name}.high_interval", f"{name}.adapters", f"{name}.history"),
-                    once=True, curve=("step", "loss"), trainer=True),
+                    once=True, curve=("step", "loss"), trainer=True, logged=BC_LOGGED),
         "collect": Stage("collect", f"{HERE}.collect",
                          lambda k: {"base_dir": paths.BASE, "policy_dir": paths.policy(k - 1),
                                     "previous_metrics": paths.metrics("experts" if k == 1 else f"collect@{k - 1}")},
@@ -49,7 +49,8 @@ def hierarchical_stages(name: str, compat: tuple[str, ...] = ()) -> dict[str, St
                         lambda k: {"base_dir": paths.BASE, "policy_dir": paths.policy(k - 1), "data_dir": ANNOTATED,
                                    "collected_dir": paths.collected(k)},
                         lambda k: {"out": paths.critic(k), "advantages_out": paths.advantages(k)},
-                        (*MODEL_PARAMS, *BUILDER_PARAMS, *offline_data_params(name), f"{name}.critic", *compat), curve=("step", "loss")),
+                        (*MODEL_PARAMS, *BUILDER_PARAMS, *offline_data_params(name), f"{name}.critic", *compat), curve=("step", "loss"),
+                        logged=TRAINED_CRITIC),
     }
 
 

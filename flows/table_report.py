@@ -1,0 +1,220 @@
+"""A benchmark table's results: gathered from its workspaces' metrics (or joined from several runs'
+results.json), as markdown, success curves with their DVC plots, and one MLflow parent run."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from flows.provenance import packages_sha256
+from flows.table_spec import SPLITS, Spec
+from flows.workspace import demonstration_steps, own_env_steps, read_metrics
+from qevolve.config import ConfigError
+from qevolve.data.atomic import atomic_path, write_json
+
+BY_TYPE_KEYS = ("high_tokens_per_episode", "low_tokens_per_episode", "subtasks_per_episode", "invalid_rate", "repeated_rate")
+"""What a per-type table reads of an evaluation beside its successes per type (the role keys only a
+hierarchical method's evaluation has)."""
+
+
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def gather(spec: Spec, out: Path) -> list[dict]:
+    """Per row: per seed, the row stage's metrics per split, and the env steps and tokens behind it."""
+    results = []
+    for row in spec.rows:
+        ws = spec.workspaces[row.workspace]
+        seeds = []
+        for seed in spec.seeds[: ws.seeds]:
+            root = out / f"{row.workspace}-s{seed}"
+            m = read_metrics(root, row.stage)
+            experts = demonstration_steps(root)
+            first = next(iter(m.values()))
+            seeds.append({
+                "seed": seed, "workspace": str(root.relative_to(out)),
+                **{f"{split}/{key}": m[split][key] for split in spec.splits() if split in m for key in ("success_rate", "avg_reward", "episodes")},
+                **{f"{split}/tokens_per_episode": m[split]["prompt_tokens_per_episode"] + m[split]["output_tokens_per_episode"]
+                   for split in spec.splits() if split in m},
+                **({f"{spec.by_type}/{key}": m[spec.by_type][key] for key in (*BY_TYPE_KEYS, "by_type") if key in m[spec.by_type]}
+                   if spec.by_type in m else {}),
+                "expert_env_steps": experts,
+                "own_env_steps": first["cumulative_env_steps"] - experts,
+                "generated_tokens": first.get("cumulative_generated_tokens", 0),
+            })
+        results.append({"row": row.name, "workspace": row.workspace, "stage": row.stage, "seeds": seeds})
+    return results
+
+
+def fmt(values: list[float], percent: bool = False, digits: int = 3) -> str:
+    m, s = mean_std(values)
+    if percent:
+        return f"{100 * m:.1f}" + (f" ± {100 * s:.1f}" if s is not None else "")
+    if digits == 0:
+        return f"{m:,.0f}" + (f" ± {s:,.0f}" if s is not None else "")
+    return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if s is not None else "")
+
+
+def by_type_markdown(results: list[dict], split: str) -> str:
+    """The per-task-type table of `split`: success % ± binomial standard error of every seed's episodes
+    pooled, per type and over all, then the means over seeds of tokens per episode by role, System 1 calls
+    per episode, invalid and repeated-action rates."""
+    types = sorted({ty for r in results for s in r["seeds"] for ty in s.get(f"{split}/by_type", {})})
+    head = (f"| # | row | seeds | {' | '.join(f'{ty} success %' for ty in types)} | all success % | tokens per episode (high / low) | "
+            "System 1 calls per episode | invalid % | repeated % |")
+    lines = [head, "|---:|---|---:|" + "---:|" * (len(types) + 5)]
+
+    def pooled(counts: list[dict]) -> str:
+        n, won = sum(c["episodes"] for c in counts), sum(c["won"] for c in counts)
+        if not n:
+            return ""
+        p = won / n
+        return f"{100 * p:.1f} ± {100 * (p * (1 - p) / n) ** 0.5:.1f} ({won}/{n})"
+
+    for i, r in enumerate(results, 1):
+        seeds = r["seeds"]
+        col = lambda key: [s[key] for s in seeds if key in s]  # noqa: E731
+        cells = [pooled([s[f"{split}/by_type"][ty] for s in seeds if ty in s.get(f"{split}/by_type", {})]) for ty in types]
+        cells.append(pooled([c for s in seeds for c in s.get(f"{split}/by_type", {}).values()]))
+        high, low = col(f"{split}/high_tokens_per_episode"), col(f"{split}/low_tokens_per_episode")
+        tokens = f"{fmt(high, digits=0)} / {fmt(low, digits=0)}" if high else fmt(col(f"{split}/tokens_per_episode"), digits=0) + " (flat)"
+        calls = col(f"{split}/subtasks_per_episode")
+        lines.append(f"| {i} | {r['row']} | {len(seeds)} | {' | '.join(cells)} | {tokens} | {fmt(calls, digits=2) if calls else ''} | "
+                     f"{fmt(col(f'{split}/invalid_rate'), True)} | {fmt(col(f'{split}/repeated_rate'), True)} |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown(results: list[dict], by_type: str | None = None, pair: tuple[str, ...] = SPLITS) -> str:
+    if by_type:
+        return by_type_markdown(results, by_type)
+    label = {"valid_seen": "seen", "valid_unseen": "unseen"}
+    head = (f"| # | row | seeds | {' | '.join(f'{label.get(s, s)} success % | {label.get(s, s)} reward' for s in pair)} | own env steps | "
+            f"generated tokens | tokens per {label.get(pair[0], pair[0])} episode |")
+    lines = [head, "|---:|---|---:|" + "---:|---:|" * len(pair) + "---:|---:|---:|"]
+    for i, r in enumerate(results, 1):
+        col = lambda key: [s[key] for s in r["seeds"] if key in s]  # noqa: E731
+        cells = " | ".join(f"{fmt(col(f'{s}/success_rate'), True)} | {fmt(col(f'{s}/avg_reward'))}" for s in pair)
+        lines.append(f"| {i} | {r['row']} | {len(r['seeds'])} | {cells} | {fmt(col('own_env_steps'), digits=0)} | "
+                     f"{fmt(col('generated_tokens'), digits=0)} | {fmt(col(f'{pair[0]}/tokens_per_episode'), digits=0)} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_curves(spec: Spec, out: Path) -> None:
+    """Per workspace, mean success per split against iteration and own env steps (one file per method,
+    which is how DVC colours the lines), with the DVC plots that draw them."""
+    folder = out / "curves"
+    folder.mkdir(exist_ok=True)
+    files = []
+    for name, ws in spec.workspaces.items():
+        if ws.set.get("rerank.best_of"):
+            continue  # a test-time variant: its evaluate@k curve is Q-Evolve's own
+        rows = []
+        for k in range(ws.iterations + 1):
+            points = []
+            for seed in spec.seeds[: ws.seeds]:
+                root = out / f"{name}-s{seed}"
+                m = read_metrics(root, f"evaluate@{k}")
+                points.append({**{s: m[s]["success_rate"] for s in spec.splits() if s in m},
+                               "env_steps": own_env_steps(root, next(iter(m.values()))["cumulative_env_steps"])})
+            rows.append({"iteration": k, **{key: statistics.mean(p[key] for p in points) for key in points[0]}})
+        path = folder / f"{ws.label}.json"
+        write_json(path, rows)
+        files.append(path.relative_to(out).as_posix())
+    plots = [
+        {f"success_by_{x}": {"template": "simple", "x": x, "y": {f: list(spec.splits()) for f in files}, "y_label": "success rate",
+                             "title": f"Success rate by {x.replace('_', ' ')}"}}
+        for x in ("iteration", "env_steps")
+    ]
+    (out / "dvc.yaml").write_text(yaml.safe_dump({"plots": plots}, sort_keys=False))
+
+
+def render_plots(out: Path) -> list[Path]:
+    """`dvc plots show` of the table's curves, each Vega-Lite plot rendered to a PNG."""
+    import vl_convert
+
+    if not (out / ".dvc").exists():
+        subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=out, check=True)
+    shown = subprocess.run([sys.executable, "-m", "dvc", "plots", "show", "--json"], cwd=out, check=True, capture_output=True, text=True)
+    images = []
+    for name, renders in json.loads(shown.stdout)["data"].items():
+        chart = renders[0]["content"]
+        # DVC colours by revision (one here) and dashes by file::field; a still image reads better with
+        # one colour per method (file) and one dash per split (field), and points on the lines.
+        chart["transform"] = [
+            {"calculate": "replace(split(datum['filename::field'], '::')[0], '.json', '')", "as": "method"},
+            {"calculate": "split(datum['filename::field'], '::')[1]", "as": "split"},
+        ]
+        chart["mark"] = {"type": "line", "point": True}
+        chart["encoding"]["color"] = {"field": "method", "type": "nominal"}
+        chart["encoding"]["strokeDash"] = {"field": "split", "type": "nominal"}
+        chart["encoding"]["y"]["scale"] = {"domain": [0, 1]}
+        path = out / f"{name}.png"
+        with atomic_path(path) as tmp:
+            tmp.write_bytes(vl_convert.vegalite_to_png(json.dumps(chart), scale=1.5))
+        images.append(path)
+    return images
+
+
+def log_table(spec: Spec, results: list[dict], wall_s: float, images: list[Path], commit: str, listing: list[str]) -> str:
+    """One MLflow parent run for the table, one child per row and seed; returns the parent's id."""
+    import mlflow
+
+    from flows.tracking import use_experiment
+
+    use_experiment(f"table-{spec.name}")
+    with mlflow.start_run(run_name=f"table-{spec.name}", tags={"qevolve.git_commit": commit, "qevolve.packages_sha256": packages_sha256(listing)}) as parent:
+        mlflow.log_metric("wall_s", wall_s)
+        mlflow.log_text("\n".join(listing) + "\n", "environment/packages.txt")
+        mlflow.log_text(markdown(results, spec.by_type, spec.splits()), "table.md")
+        for image in images:
+            mlflow.log_artifact(str(image))
+        for i, r in enumerate(results, 1):
+            for s in r["seeds"]:
+                with mlflow.start_run(run_name=f"{i}. {r['row']} (seed {s['seed']})", nested=True,
+                                      tags={"qevolve.row": r["row"], "qevolve.stage": r["stage"], "qevolve.workspace": s["workspace"]}):
+                    mlflow.log_params({"row": i, "seed": s["seed"], "workspace": r["workspace"], "stage": r["stage"]})
+                    mlflow.log_metrics({k.replace("/", "_"): float(v) for k, v in s.items() if isinstance(v, (int, float)) and k != "seed"})
+        return parent.info.run_id
+
+
+def merge(spec: Spec, files: list[Path], replace: bool = False) -> tuple[list[dict], list[dict]]:
+    """The rows of several results.json files of `spec`'s table (each from `--seed` runs), every row's
+    seeds joined; and per file its commit and wall time. A seed given twice for a row is kept once where its
+    figures are the same (a stage re-run, as the run cache replays or a run reproduces it); where they differ
+    it is refused, or with `replace` the later file's figures replace the earlier's, listed in that file's
+    `replaced`."""
+    rows = {r.name: {"row": r.name, "workspace": r.workspace, "stage": r.stage, "seeds": []} for r in spec.rows}
+    sources = []
+    for f in files:
+        try:
+            data = json.loads(Path(f).read_text())
+            name, given = data["spec"]["name"], data["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ConfigError(f"{f}: not a table's results.json ({type(err).__name__}: {err})") from None
+        if name != spec.name:
+            raise ConfigError(f"{f}: spec.name: results of table {name!r}, expected {spec.name!r}")
+        replaced = []
+        for r in given:
+            if r["row"] not in rows:
+                raise ConfigError(f"{f}: rows: row {r['row']!r} is not in {spec.name}'s spec")
+            earlier = {s["seed"]: s for s in rows[r["row"]]["seeds"]}
+            differ = sorted(s["seed"] for s in r["seeds"] if s["seed"] in earlier and s != earlier[s["seed"]])
+            if differ and not replace:
+                raise ConfigError(f"{f}: rows: row {r['row']!r} has seed(s) {differ} that an earlier file gave with other figures "
+                                  "(--replace: keep this file's)")
+            replaced += [{"row": r["row"], "seed": k} for k in differ]
+            rows[r["row"]]["seeds"] = [s for s in rows[r["row"]]["seeds"] if s["seed"] not in differ]
+            rows[r["row"]]["seeds"] += [s for s in r["seeds"] if s["seed"] not in earlier or s["seed"] in differ]
+        # A joined table's own sources are kept under it, so joining it again loses none of its runs' commits.
+        own = {"merged_from": data["merged_from"]} if "merged_from" in data else {
+            "git_commit": data.get("git_commit"), "wall_s": data.get("wall_s"), "packages_sha256": data.get("packages_sha256")}
+        sources.append({"file": str(f), **own, **({"replaced": replaced} if replaced else {})})
+    for r in rows.values():
+        r["seeds"].sort(key=lambda s: s["seed"])
+    return [r for r in rows.values() if r["seeds"]], sources
