@@ -17,8 +17,9 @@ from qevolve.models.policy import load_policy
 from qevolve.environments import ENVIRONMENTS
 from qevolve.models.prompt import PROMPT_FILE, PromptBuilder, build_examples
 from qevolve.models.device import model_device, placement
+from qevolve.models.device import is_main, pad_ids
 from qevolve.training import (
-    checkpoint_path, full_state, input_digest, is_main, is_sharded, last_epoch_mean, loading_config, local_share, packed_rows, pad_ids, shard, train, train_speed,
+    checkpoint_path, full_state, input_digest, is_sharded, last_epoch_mean, loading_config, local_share, packed_rows, shard, train, train_speed,
 )
 
 

@@ -19,8 +19,9 @@ from qevolve.models.critic import Critic, CriticItem, critic_items, critic_value
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PROMPT_FILE, make_builder
 from qevolve.models.device import model_device, placement
+from qevolve.models.device import is_main, pad_ids
 from qevolve.training import (
-    checkpoint_path, full_state, input_digest, is_main, is_sharded, last_epoch_mean, loading_config, local_share, pad_ids, shard, train, train_speed,
+    checkpoint_path, full_state, input_digest, is_sharded, last_epoch_mean, loading_config, local_share, shard, train, train_speed,
 )
 
 

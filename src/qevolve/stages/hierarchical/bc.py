@@ -21,8 +21,9 @@ from qevolve.hierarchy.shared import role_builder, role_groups, role_names, role
 from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device, placement
 from qevolve.models.policy import load_policy
+from qevolve.models.device import is_main, pad_ids
 from qevolve.training import (
-    checkpoint_path, full_state, input_digest, is_main, is_sharded, last_epoch_mean, loading_config, local_share, pad_ids, shard, train, train_speed,
+    checkpoint_path, full_state, input_digest, is_sharded, last_epoch_mean, loading_config, local_share, shard, train, train_speed,
 )
 
 Item = tuple[str, list[int], list[int], float]
