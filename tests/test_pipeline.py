@@ -95,21 +95,44 @@ def test_every_module_a_stage_imports_is_one_of_its_dvc_deps():
     what importing each stage's module (and the CLI that runs it) really loads."""
     from qevolve import dvcfile
 
-    code = "import sys, qevolve.cli, {m}\nprint('\\n'.join(m.__file__ for n, m in sys.modules.items() if n.startswith('qevolve')))"
+    def loaded(code: str) -> set[str]:
+        listing = "\nimport sys\nprint('\\n'.join(m.__file__ for n, m in sys.modules.items() if n.startswith('qevolve')))"
+        out = subprocess.run([sys.executable, "-c", code + listing], capture_output=True, text=True, check=True).stdout
+        return {str(Path(f).resolve().relative_to(REPO)) for f in out.split() if Path(f).stat().st_size}  # empty __init__ files aside
+
+    # Validating params.yaml builds `Params`, which imports every method's package and config
+    # (`config.method_sections`) and what they import; they declare sections and stages this stage never
+    # reads or runs (`check_reads` enforces that on every run), so they are no dep unless its own code reaches them.
+    assembly = loaded("import qevolve.config; qevolve.config.params_model()") - loaded("import qevolve.config")
     deps = {(m, name): set(s.get("do", s)["deps"]) for m, p in _method_params().items() for name, s in dvcfile.spec(p)["stages"].items()}
     for stage, module in _stage_modules().items():
-        out = subprocess.run([sys.executable, "-c", code.format(m=module)], capture_output=True, text=True, check=True).stdout
-        loaded = {str(Path(f).resolve().relative_to(REPO)) for f in out.split() if Path(f).stat().st_size}  # empty __init__ files aside
-        # Validating params.yaml loads every method's sections (`config.method_sections`); another method's
-        # package only declares sections this stage never reads (`check_reads` enforces that on every run).
-        own = module.split(".")[2] if module.startswith("qevolve.methods.") else None
-        others = {f for f in loaded if f.startswith("src/qevolve/methods/") and f.split("/")[3] not in (own, "__init__.py")}
-        assert loaded - others <= deps[stage], f"{stage}: dvc.yaml misses {sorted(loaded - others - deps[stage])}"
+        own = f"src/qevolve/methods/{module.split('.')[2]}/" if module.startswith("qevolve.methods.") else None
+        excused = {f for f in assembly if not (own and f.startswith(own))}
+        found = loaded(f"import qevolve.cli, {module}") - excused
+        assert found <= deps[stage], f"{stage}: dvc.yaml misses {sorted(found - deps[stage])}"
     # The gaps of the old hand-kept lists: the prompt builder's and the advantage reader's modules; the recipe.
     assert {"src/qevolve/models/prompt.py", "src/qevolve/data/advantages.py", "src/qevolve/methods/qevolve/__init__.py"} <= deps["qevolve", "policy"]
     assert "src/qevolve/models/prompt.py" in deps["qevolve", "collect"]
     assert not any("methods/qevolve" in d for d in deps["qevolve", "bc"])  # a method's recipe is no dep of the shared stages
-    assert {"src/qevolve/hierarchy/roles.py", "src/qevolve/methods/step_hrl/config.py"} <= deps["step_hrl", "bc"]
+    # A hierarchical stage depends on the method's section (its defaults) and on the shared hierarchy.
+    for method in ("step_hrl", "multi2"):
+        assert {"src/qevolve/hierarchy/roles.py", "src/qevolve/hierarchy/config.py", f"src/qevolve/methods/{method}/config.py",
+                "src/qevolve/stages/hierarchical/bc.py"} <= deps[method, "bc"]
+        assert not any(f"methods/{other}/" in d for other in ("step_hrl", "multi2") if other != method for d in deps[method, "annotate"])
+
+
+def test_a_stage_depends_on_its_own_environments_adapter_only():
+    """`make_env` imports the adapter by name (`qevolve.environments.adapter`), so dvc.yaml adds the module
+    of `env.name` to every stage that can build an environment, and no other environment's module."""
+    from qevolve import dvcfile
+    from qevolve.config import load_params
+
+    for profile, own in (("alfworld", "alfworld.py"), ("textcraft", "textcraft.py"), ("webshop", "webshop.py")):
+        stages = dvcfile.spec(load_params(REPO / "profiles" / f"{profile}.yaml"))["stages"]
+        envs = {stage: {d.rsplit("/", 1)[1] for d in s.get("do", s)["deps"] if d.startswith("src/qevolve/envs/")} for stage, s in stages.items()}
+        adapters = {f"{name}.py" for name in ("alfworld", "scienceworld", "webshop", "textcraft", "terminal")}
+        assert envs["experts"] & adapters == {own} and envs["evaluate"] & adapters == {own}, (profile, envs)
+        assert not envs["base"] & adapters  # builds no environment
 
 
 def test_dvc_params_deps_are_the_keys_the_file_sets():
@@ -401,11 +424,14 @@ def test_each_method_iterates_in_a_sub_flow_of_its_own_name_described_by_its_alg
 
 
 def test_every_source_file_is_a_code_dep_of_some_methods_dvc_yaml():
-    """The checkout's dvc.yaml renders one method (params.yaml's); across every method's dvc.yaml, each
-    non-empty module of the package is some stage's dep, so no code runs outside all lineage."""
+    """The checkout's dvc.yaml renders one method (params.yaml's); across every method's and every
+    profile's dvc.yaml, each non-empty module of the package is some stage's dep, so no code runs outside
+    all lineage."""
     from qevolve import dvcfile
+    from qevolve.config import load_params
 
-    deps = {d for p in _method_params().values() for s in dvcfile.spec(p)["stages"].values() for d in s.get("do", s)["deps"]}
+    params = [*_method_params().values(), *(load_params(f) for f in sorted((REPO / "profiles").glob("*.yaml")))]
+    deps = {d for p in params for s in dvcfile.spec(p)["stages"].values() for d in s.get("do", s)["deps"]}
     files = {f"src/qevolve/{f.relative_to(dvcfile.PACKAGE).as_posix()}" for f in dvcfile.PACKAGE.rglob("*.py") if f.stat().st_size}
     # command-line tools no stage runs: a synthetic WebShop catalogue for tests; `qevolve terminal-import`, which
     # writes task folders that are then an env.data_dir (a DVC-tracked input like any other data)

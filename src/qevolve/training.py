@@ -30,8 +30,8 @@ import torch
 from tqdm import tqdm
 
 from qevolve.config import ModelConfig, TrainConfig, TrainRunConfig
-from qevolve.data.atomic import atomic_path
-from qevolve.models.device import model_device, peak_tflops, rank_and_world, resolve_device, resolve_dtype
+from qevolve.data.atomic import atomic_path, write_json
+from qevolve.models.device import is_main, model_device, peak_tflops, placement, rank_and_world, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -357,6 +357,22 @@ def _by_rate(model: torch.nn.Module, lr: float) -> list[dict]:
         if p.requires_grad:
             groups.setdefault(next((r for prefix, r in rates.items() if name.startswith(prefix)), lr), []).append(p)
     return [{"params": ps, "lr": rate} for rate, ps in groups.items()]
+
+
+def save_and_report(save: Callable[[], None], metrics: dict, model: torch.nn.Module, curve: list[dict], elapsed: float,
+                    run: TrainRunConfig, out: Path, metrics_path: Path, curve_path: Path, speed_of: torch.nn.Module | None = None) -> dict:
+    """How every trainer ends, after any pass that takes every rank (`full_state`): on rank 0, `save()` writes
+    the artifact(s) atomically; then `metrics`, with the training time, speed (`train_speed` of `speed_of`,
+    default `model`) and placement of `model`, go to `metrics_path` and the curve to `curve_path`, and the
+    in-stage checkpoint of `out` is removed, the artifact being complete. Other ranks write nothing: {}."""
+    if not is_main():
+        return {}
+    save()
+    metrics = {**metrics, "train_seconds": elapsed, **train_speed(speed_of or model, curve, run), **placement(model)}
+    write_json(metrics_path, metrics)
+    write_json(curve_path, curve)
+    checkpoint_path(out).unlink(missing_ok=True)
+    return metrics
 
 
 def checkpoint_path(out: Path) -> Path:

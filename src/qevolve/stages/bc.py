@@ -9,18 +9,16 @@ from pathlib import Path
 
 from qevolve.algos.losses import masked_nll
 from qevolve.config import Params
-from qevolve.data.atomic import atomic_dir, write_json
+from qevolve.data.atomic import atomic_dir
 from qevolve.data.store import Trajectory, read_store
 from qevolve.envs import check_tasks, make_env
 from qevolve.models.base import target_logprobs
 from qevolve.models.policy import load_policy
 from qevolve.environments import ENVIRONMENTS
 from qevolve.models.prompt import PROMPT_FILE, PromptBuilder, build_examples
-from qevolve.models.device import model_device, placement
-from qevolve.models.device import is_main, pad_ids
-from qevolve.training import (
-    checkpoint_path, full_state, input_digest, is_sharded, last_epoch_mean, loading_config, local_share, packed_rows, shard, train, train_speed,
-)
+from qevolve.models.device import model_device
+from qevolve.models.device import pad_ids
+from qevolve.training import checkpoint_path, full_state, input_digest, is_sharded, last_epoch_mean, loading_config, local_share, packed_rows, save_and_report, shard, train
 
 
 def one_shot_text(trajs: list[Trajectory]) -> str:
@@ -73,12 +71,13 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
                   checkpoint=checkpoint_path(out), inputs=input_digest(experts_dir), run=params.train)
     elapsed = time.perf_counter() - start
     state = full_state(model)
-    if not is_main():
-        return {}
-    with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp, state_dict=state)
-        (tmp / PROMPT_FILE).write_text(json.dumps({"one_shot": one_shot, "repeat_task": params.prompt.repeat_task, "intro": builder.intro,
-                                                         "keep_case": builder.keep_case}) + "\n")
+
+    def save() -> None:
+        with atomic_dir(out) as tmp:
+            model.save_pretrained(tmp, state_dict=state)
+            (tmp / PROMPT_FILE).write_text(json.dumps({"one_shot": one_shot, "repeat_task": params.prompt.repeat_task, "intro": builder.intro,
+                                                       "keep_case": builder.keep_case}) + "\n")
+
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),
         "first_loss": curve[0]["loss"],
@@ -86,12 +85,6 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
         "truncated_observations": len(builder.truncated),
         "trajectories": len(trajs),
         "steps": len(curve),
-        "train_seconds": elapsed,
-        **train_speed(model, curve, params.train),
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        **placement(model),
     }
-    write_json(metrics_path, metrics)
-    write_json(curve_path, curve)
-    checkpoint_path(out).unlink(missing_ok=True)  # the artifact is complete
-    return metrics
+    return save_and_report(save, metrics, model, curve, elapsed, params.train, out, metrics_path, curve_path)

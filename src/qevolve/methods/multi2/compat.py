@@ -23,13 +23,12 @@ import torch
 from qevolve.algos.losses import sequence_logprobs
 from qevolve.algos.rl import awr_loss, iql_losses
 from qevolve.config import Params
-from qevolve.data.atomic import write_json
 from qevolve.hierarchy.critic import Item, LevelCritic, critic_items, save_critic, values
 from qevolve.hierarchy.shared import load_roles_policy, role_builder, save_roles_policy, training_sets
 from qevolve.models.base import target_logprobs
-from qevolve.models.device import model_device, placement
+from qevolve.models.device import model_device
 from qevolve.models.policy import use_adapter
-from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, train, train_speed
+from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, save_and_report, train
 from qevolve.models.device import pad_ids
 
 LEVEL = "low"
@@ -89,8 +88,11 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
                   after_step=lambda: joint.update_target(hrl.critic.target_rate), checkpoint=checkpoint_path(out),
                   inputs=input_digest(previous_dir, data_dir, collected_dir), run=params.train)
     elapsed = time.perf_counter() - start
-    save_roles_policy(model, out, previous_dir)
-    save_critic(joint, critic_out, adapter=False)
+
+    def save() -> None:
+        save_roles_policy(model, out, previous_dir)
+        save_critic(joint, critic_out, adapter=False)
+
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),
         "first_loss": curve[0]["loss"],
@@ -98,11 +100,5 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
         "first_logp": curve[0]["logp"],
         "examples": len(items),
         "expectile": TAU,
-        "train_seconds": elapsed,
-        **train_speed(joint, curve, params.train),
-        **placement(model),
     }
-    write_json(metrics_path, metrics)
-    write_json(curve_path, curve)
-    checkpoint_path(out).unlink(missing_ok=True)  # the artifact is complete
-    return metrics
+    return save_and_report(save, metrics, model, curve, elapsed, params.train, out, metrics_path, curve_path, speed_of=joint)

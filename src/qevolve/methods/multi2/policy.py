@@ -19,16 +19,15 @@ import torch
 from qevolve.algos.losses import sequence_logprobs
 from qevolve.algos.rl import anchored_awr_loss
 from qevolve.config import Params
-from qevolve.data.atomic import write_json
 from qevolve.hierarchy.agent import RoleStop
 from qevolve.hierarchy.critic import advantages_of, load_critic
 from qevolve.hierarchy.roles import encode, parse_low
 from qevolve.hierarchy.shared import advantage_of, load_roles_policy, read_advantages, role_builder, save_roles_policy, training_sets
 from qevolve.models.backend import HFBackend
 from qevolve.models.base import target_logprobs
-from qevolve.models.device import model_device, placement
+from qevolve.models.device import model_device
 from qevolve.models.policy import use_adapter
-from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, train, train_speed
+from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, save_and_report, train
 from qevolve.models.device import pad_ids
 
 Item = tuple[str, list[int], list[int], float]
@@ -122,7 +121,6 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, critic_dir: Path,
                   lambda micro: anchored_step(model, critic, sampler, micro, cfg, tok.pad_token_id, separate), "policy",
                   checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, critic_dir, data_dir, collected_dir, advantage_dir), run=params.train)
     elapsed = time.perf_counter() - start
-    save_roles_policy(model, out, previous_dir)
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),
         "first_loss": curve[0]["loss"],
@@ -132,11 +130,6 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, critic_dir: Path,
         **{f"{role}_examples": sum(it[0] == role for it in items) for role in roles},
         "weight_mean": float(weights.mean()),
         "weight_clipped": float((weights >= cfg.max_weight).float().mean()),
-        "train_seconds": elapsed,
-        **train_speed(model, curve, params.train),
-        **placement(model),
     }
-    write_json(metrics_path, metrics)
-    write_json(curve_path, curve)
-    checkpoint_path(out).unlink(missing_ok=True)  # the artifact is complete
-    return metrics
+    return save_and_report(lambda: save_roles_policy(model, out, previous_dir), metrics, model, curve, elapsed, params.train, out,
+                           metrics_path, curve_path)

@@ -13,16 +13,14 @@ import torch
 
 from qevolve.algos.rl import iql_losses
 from qevolve.config import Params
-from qevolve.data.atomic import atomic_dir, write_json
+from qevolve.data.atomic import atomic_dir
 from qevolve.data.store import Trajectory, read_store
 from qevolve.models.critic import Critic, CriticItem, critic_items, critic_values, load_critic, read_positions
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PROMPT_FILE, make_builder
-from qevolve.models.device import model_device, placement
+from qevolve.models.device import model_device
 from qevolve.models.device import is_main, pad_ids
-from qevolve.training import (
-    checkpoint_path, full_state, input_digest, is_sharded, last_epoch_mean, loading_config, local_share, shard, train, train_speed,
-)
+from qevolve.training import checkpoint_path, full_state, input_digest, is_sharded, last_epoch_mean, loading_config, local_share, save_and_report, shard, train
 
 
 def critic_step(critic: Critic, micro: list[list[CriticItem]], gamma: float, tau: float, pad_id: int) -> dict:
@@ -88,9 +86,12 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, out
         values = critic_values(model, items, tok.pad_token_id, cfg.micro_batch_size)
     if not is_main():
         return {}
-    with atomic_dir(out) as tmp:
-        model.save(tmp, state)
-        (tmp / PROMPT_FILE).write_text((policy_dir / PROMPT_FILE).read_text())
+
+    def save() -> None:
+        with atomic_dir(out) as tmp:
+            model.save(tmp, state)
+            (tmp / PROMPT_FILE).write_text((policy_dir / PROMPT_FILE).read_text())
+
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),
         "v_loss": last_epoch_mean(curve, "v_loss"),
@@ -98,15 +99,9 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, out
         "first_loss": curve[0]["loss"],
         "windows": len(items),
         "trajectories": len(trajs),
-        "train_seconds": elapsed,
-        **train_speed(model, curve, params.train),
         **value_stats(trajs, values),
-        **placement(model),
     }
-    write_json(metrics_path, metrics)
-    write_json(curve_path, curve)
-    checkpoint_path(out).unlink(missing_ok=True)  # the artifact is complete
-    return metrics
+    return save_and_report(save, metrics, model, curve, elapsed, params.train, out, metrics_path, curve_path)
 
 
 def value_stats(trajs: list[Trajectory], values: dict[int, dict[int, tuple[float, float]]]) -> dict:

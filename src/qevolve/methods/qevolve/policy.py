@@ -15,15 +15,13 @@ from pathlib import Path
 import torch
 
 from qevolve.config import Params
-from qevolve.data.atomic import atomic_dir, write_json
+from qevolve.data.atomic import atomic_dir
 from qevolve.data.advantages import read_advantages
 from qevolve.data.store import read_store
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PROMPT_FILE, make_builder
 from qevolve.policy_update import policy_items, policy_step, reference_pass
-from qevolve.models.device import placement
-from qevolve.training import checkpoint_path, full_state, input_digest, last_epoch_mean, loading_config, shard, train, train_speed
-from qevolve.models.device import is_main
+from qevolve.training import checkpoint_path, full_state, input_digest, last_epoch_mean, loading_config, save_and_report, shard, train
 
 
 def policy(
@@ -52,11 +50,12 @@ def policy(
                   checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, bc_dir, data_dir, advantage_dir), run=params.train)
     elapsed = time.perf_counter() - start
     state = full_state(model)
-    if not is_main():
-        return {}
-    with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp, state_dict=state)
-        (tmp / PROMPT_FILE).write_text((Path(previous_dir) / PROMPT_FILE).read_text())
+
+    def save() -> None:
+        with atomic_dir(out) as tmp:
+            model.save_pretrained(tmp, state_dict=state)
+            (tmp / PROMPT_FILE).write_text((Path(previous_dir) / PROMPT_FILE).read_text())
+
     metrics = {
         "algo": cfg.algo,
         "loss": last_epoch_mean(curve, "loss"),
@@ -66,11 +65,5 @@ def policy(
         "ratio": last_epoch_mean(curve, "ratio"),
         "windows": len(items),
         "steps": sum(len(it.spans) for it in items),
-        "train_seconds": elapsed,
-        **train_speed(model, curve, params.train),
-        **placement(model),
     }
-    write_json(metrics_path, metrics)
-    write_json(curve_path, curve)
-    checkpoint_path(out).unlink(missing_ok=True)  # the artifact is complete
-    return metrics
+    return save_and_report(save, metrics, model, curve, elapsed, params.train, out, metrics_path, curve_path)

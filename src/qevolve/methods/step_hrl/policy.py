@@ -14,12 +14,11 @@ import torch
 from qevolve.algos.losses import sequence_logprobs
 from qevolve.algos.rl import advantage_pg_loss, awr_loss
 from qevolve.config import Params
-from qevolve.data.atomic import write_json
 from qevolve.hierarchy.roles import ROLES, encode
 from qevolve.hierarchy.shared import advantage_of, load_roles_policy, read_advantages, role_builder, role_groups, save_roles_policy, training_sets
 from qevolve.models.base import target_logprobs
-from qevolve.models.device import model_device, placement
-from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, train, train_speed
+from qevolve.models.device import model_device
+from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, save_and_report, train
 from qevolve.models.device import pad_ids
 
 Item = tuple[str, list[int], list[int], float]
@@ -60,7 +59,6 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
                   lambda micro: actor_step(model, micro, cfg.beta, cfg.max_weight, hrl.repo_compat, tok.pad_token_id, separate), "policy",
                   checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, data_dir, collected_dir, advantage_dir), run=params.train)
     elapsed = time.perf_counter() - start
-    save_roles_policy(model, out, previous_dir)
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),
         "first_loss": curve[0]["loss"],
@@ -70,11 +68,6 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
         "weight_mean": float(weights.mean()),
         "weight_clipped": float((weights >= cfg.max_weight).float().mean()),
         "repo_compat": hrl.repo_compat,
-        "train_seconds": elapsed,
-        **train_speed(model, curve, params.train),
-        **placement(model),
     }
-    write_json(metrics_path, metrics)
-    write_json(curve_path, curve)
-    checkpoint_path(out).unlink(missing_ok=True)  # the artifact is complete
-    return metrics
+    return save_and_report(lambda: save_roles_policy(model, out, previous_dir), metrics, model, curve, elapsed, params.train, out,
+                           metrics_path, curve_path)

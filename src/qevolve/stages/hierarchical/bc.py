@@ -13,18 +13,16 @@ import torch
 
 from qevolve.algos.losses import sequence_logprobs
 from qevolve.config import Params
-from qevolve.data.atomic import atomic_dir, write_json
+from qevolve.data.atomic import atomic_dir
 from qevolve.hierarchy.transitions import read_transitions
 from qevolve.hierarchy.config import section
 from qevolve.hierarchy.roles import ROLES, encode
 from qevolve.hierarchy.shared import role_builder, role_groups, role_names, role_prompts, write_roles
 from qevolve.models.base import target_logprobs
-from qevolve.models.device import model_device, placement
+from qevolve.models.device import model_device
 from qevolve.models.policy import load_policy
-from qevolve.models.device import is_main, pad_ids
-from qevolve.training import (
-    checkpoint_path, full_state, input_digest, is_sharded, last_epoch_mean, loading_config, local_share, shard, train, train_speed,
-)
+from qevolve.models.device import pad_ids
+from qevolve.training import checkpoint_path, full_state, input_digest, is_sharded, last_epoch_mean, loading_config, local_share, save_and_report, shard, train
 
 Item = tuple[str, list[int], list[int], float]
 """(role, ids, mask over the output's tokens, weight of the output's loss)."""
@@ -67,11 +65,12 @@ def bc(params: Params, base_dir: Path, data_dir: Path, out: Path, metrics_path: 
                   checkpoint=checkpoint_path(out), inputs=input_digest(data_dir), run=params.train)
     elapsed = time.perf_counter() - start
     state = full_state(model)
-    if not is_main():
-        return {}
-    with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp, state_dict=state)
-        write_roles(tmp, role_prompts(params, builder, progress), sorted({r["output_text"] for r in sets["high"]}), adapters)
+
+    def save() -> None:
+        with atomic_dir(out) as tmp:
+            model.save_pretrained(tmp, state_dict=state)
+            write_roles(tmp, role_prompts(params, builder, progress), sorted({r["output_text"] for r in sets["high"]}), adapters)
+
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),
         "first_loss": curve[0]["loss"],
@@ -80,12 +79,6 @@ def bc(params: Params, base_dir: Path, data_dir: Path, out: Path, metrics_path: 
         "progress": progress,
         "steps": len(curve),
         "adapters": adapters,
-        "train_seconds": elapsed,
-        **train_speed(model, curve, params.train),
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        **placement(model),
     }
-    write_json(metrics_path, metrics)
-    write_json(curve_path, curve)
-    checkpoint_path(out).unlink(missing_ok=True)  # the artifact is complete
-    return metrics
+    return save_and_report(save, metrics, model, curve, elapsed, params.train, out, metrics_path, curve_path)

@@ -21,13 +21,12 @@ import torch
 
 from qevolve.algos.rl import iql_losses
 from qevolve.config import Params
-from qevolve.data.atomic import atomic_dir, write_json
+from qevolve.data.atomic import atomic_dir
 from qevolve.hierarchy.critic import Item, LevelCritic, critic_items, save_critic, values
 from qevolve.hierarchy.config import section
 from qevolve.hierarchy.shared import ADVANTAGE_SCHEMA, ADVANTAGES, read_roles, role_builder, training_sets
-from qevolve.models.device import placement
 from qevolve.models.policy import load_policy
-from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, train, train_speed
+from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, save_and_report, train
 
 
 def critic_step(critic: LevelCritic, micro: list[list[Item]], gamma: float, tau: float, pad_id: int) -> dict:
@@ -77,9 +76,12 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, col
             x = values(model, mb, tok.pad_token_id)
             rows += [{"trajectory_id": it.key[0], "level": it.role, "step": it.key[2], "advantage": float(q - v), "v": float(v), "q": float(q)}
                      for it, v, q in zip(mb, x["v"], x["q"])]
-    save_critic(model, out, adapter=not compat)
-    with atomic_dir(advantages_out) as tmp:
-        pq.write_table(pa.Table.from_pylist(rows, schema=ADVANTAGE_SCHEMA), tmp / ADVANTAGES)
+
+    def save() -> None:
+        save_critic(model, out, adapter=not compat)
+        with atomic_dir(advantages_out) as tmp:
+            pq.write_table(pa.Table.from_pylist(rows, schema=ADVANTAGE_SCHEMA), tmp / ADVANTAGES)
+
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),
         "v_loss": last_epoch_mean(curve, "v_loss"),
@@ -89,14 +91,8 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, col
         **{f"{role}_transitions": len(sets[role]) for role in sets},
         **{f"{role}_advantage_mean": _mean([r["advantage"] for r in rows if r["level"] == role]) for role in sets},
         **{f"{role}_v_mean": _mean([r["v"] for r in rows if r["level"] == role]) for role in sets},
-        "train_seconds": elapsed,
-        **train_speed(model, curve, params.train),
-        **placement(model),
     }
-    write_json(metrics_path, metrics)
-    write_json(curve_path, curve)
-    checkpoint_path(out).unlink(missing_ok=True)  # the artifact is complete
-    return metrics
+    return save_and_report(save, metrics, model, curve, elapsed, params.train, out, metrics_path, curve_path)
 
 
 def _mean(xs: list[float]) -> float:
