@@ -86,94 +86,113 @@ def play(
     first step on a fresh environment up to `retries` times, then recorded with `failure` =
     `env_error: <exception>` (see `env_failures`). `parallel`: step the environments from one thread
     each, for environments that run in worker processes."""
-    envs = [make_env() for _ in range(min(batch_size, len(tasks)))]
-    queue = list(enumerate(tasks))
-    attempts = [0] * len(tasks)
-    slots: list[tuple[int, _Episode] | None] = [None] * len(envs)
-    results: dict[int, Trajectory] = {}
-    bar = tqdm(total=len(tasks), desc=desc, unit="ep")
-    pool = ThreadPoolExecutor(len(envs)) if parallel and envs else None
-    mapper = pool.map if pool else map
-
-    def fail(slot: int, index: int, traj: Trajectory, err: Exception) -> None:
-        slots[slot] = None
-        try:
-            envs[slot].close()
-        except Exception:  # noqa: BLE001 - a crashed environment may not close cleanly either
-            pass
-        envs[slot] = make_env()
-        if attempts[index] < retries:
-            attempts[index] += 1
-            queue.insert(0, (index, tasks[index]))
-            bar.write(f"{desc}: {tasks[index].id}: environment failed ({err}); restarting the episode "
-                      f"({attempts[index]}/{retries})")
-            return
-        traj.won, traj.failure = False, env_error(err)
-        results[index] = traj
-        bar.update(1)
-
-    def refill() -> None:
-        """Start the next tasks in every free slot, resetting their environments in parallel."""
-        while jobs := [(s, queue.pop(0)) for s in range(len(envs)) if slots[s] is None and queue]:
-            firsts = list(mapper(lambda job: _attempt(envs[job[0]].reset, job[1][1]), jobs))
-            for (s, (index, task)), first in zip(jobs, firsts):
-                traj = Trajectory(uuid.uuid4().hex, task.id, task.type, task.split, source, "")
-                if isinstance(first, Exception):
-                    fail(s, index, traj, first)
-                    continue
-                traj.instruction = first.instruction
-                generator = torch.Generator().manual_seed(episode_seed(seed, index, task.id, attempts[index]))
-                slots[s] = (index, _Episode(task, traj, [first.text], first.admissible, generator=generator))
-
+    run = _Rollout(make_env, tasks, batch_size, source, seed, desc, retries, parallel)
     try:
-        refill()
-        while any(slots):
-            active = [s for s, e in enumerate(slots) if e is not None]
-            episodes = [slots[s][1] for s in active]
-            decisions = actor.decide(episodes, greedy, active)
-            outputs = [clean_text(d.output) for d in decisions]  # whatever the backend decoded, the store holds valid UTF-8
-            actions = [actor.parse(o) for o in outputs]
-            stepping = [(s, a) for s, a in zip(active, actions) if a is not None]
-            stepped = dict(zip([s for s, _ in stepping], mapper(lambda job: _attempt(envs[job[0]].step, job[1]), stepping)))
-            moved = []
-            for s, ep, d, output, action in zip(active, episodes, decisions, outputs, actions):
-                if action is None:
-                    obs, reward, done, won, valid, admissible = ep.observations[-1], 0.0, False, False, False, ep.admissible
-                else:
-                    r = stepped[s]
-                    if isinstance(r, Exception):
-                        fail(s, slots[s][0], ep.traj, r)
-                        continue
-                    obs, reward, done, won, valid, admissible = r.observation, r.reward, r.done, r.won, r.valid, r.admissible
-                ep.traj.steps.append(
-                    StepRecord(
-                        step=len(ep.outputs), observation=ep.observations[-1], output=output, action=action,
-                        next_observation=obs, reward=reward, done=done, won=won, valid=valid,
-                        logp=d.logp, prompt_tokens=d.prompt_tokens, output_tokens=d.output_tokens,
-                    )
-                )
-                moved.append(ep)
-                ep.outputs.append(output)
-                ep.observations.append(obs)
-                ep.admissible = admissible
-                if done or len(ep.outputs) >= min(max_steps, ep.task.max_steps or max_steps):
-                    ep.traj.won = won
-                    ep.traj.failure = "" if won else ("done" if done else "max_steps")
-                    results[slots[s][0]] = ep.traj
-                    slots[s] = None
-                    bar.update(1)
-                    bar.set_postfix(success=f"{sum(t.won for t in results.values())}/{len(results)}")
-            actor.observed(moved)
-            refill()
+        run.refill()
+        while any(run.slots):
+            run.turn(actor, greedy, max_steps)
+            run.refill()
     finally:
-        bar.close()
-        if pool:
-            pool.shutdown()
-        for env in envs:
-            env.close()
-    trajs = [results[i] for i in range(len(tasks))]
+        run.close()
+    trajs = [run.results[i] for i in range(len(tasks))]
     check_env_failures(trajs, max_failure_ratio, desc)
     return trajs
+
+
+class _Rollout:
+    """`play`'s state: an environment per slot, the tasks waiting, each slot's episode, the finished ones."""
+
+    def __init__(self, make_env: Callable[[], TextEnv], tasks: list[Task], batch_size: int, source: str, seed: int, desc: str,
+                 retries: int, parallel: bool):
+        self.make_env, self.tasks, self.source, self.seed, self.desc, self.retries = make_env, tasks, source, seed, desc, retries
+        self.envs = [make_env() for _ in range(min(batch_size, len(tasks)))]
+        self.queue = list(enumerate(tasks))
+        self.attempts = [0] * len(tasks)
+        self.slots: list[tuple[int, _Episode] | None] = [None] * len(self.envs)
+        self.results: dict[int, Trajectory] = {}
+        self.bar = tqdm(total=len(tasks), desc=desc, unit="ep")
+        self.pool = ThreadPoolExecutor(len(self.envs)) if parallel and self.envs else None
+        self.map = self.pool.map if self.pool else map
+
+    def fail(self, slot: int, index: int, traj: Trajectory, err: Exception) -> None:
+        """The environment of `slot` failed: a fresh one replaces it, and the episode restarts (or is lost)."""
+        self.slots[slot] = None
+        try:
+            self.envs[slot].close()
+        except Exception:  # noqa: BLE001 - a crashed environment may not close cleanly either
+            pass
+        self.envs[slot] = self.make_env()
+        if self.attempts[index] < self.retries:
+            self.attempts[index] += 1
+            self.queue.insert(0, (index, self.tasks[index]))
+            self.bar.write(f"{self.desc}: {self.tasks[index].id}: environment failed ({err}); restarting the episode "
+                           f"({self.attempts[index]}/{self.retries})")
+            return
+        traj.won, traj.failure = False, env_error(err)
+        self.finish(index, traj)
+
+    def finish(self, index: int, traj: Trajectory) -> None:
+        self.results[index] = traj
+        self.bar.update(1)
+
+    def refill(self) -> None:
+        """Start the next tasks in every free slot, resetting their environments in parallel."""
+        while jobs := [(s, self.queue.pop(0)) for s in range(len(self.envs)) if self.slots[s] is None and self.queue]:
+            firsts = list(self.map(lambda job: _attempt(self.envs[job[0]].reset, job[1][1]), jobs))
+            for (s, (index, task)), first in zip(jobs, firsts):
+                traj = Trajectory(uuid.uuid4().hex, task.id, task.type, task.split, self.source, "")
+                if isinstance(first, Exception):
+                    self.fail(s, index, traj, first)
+                    continue
+                traj.instruction = first.instruction
+                generator = torch.Generator().manual_seed(episode_seed(self.seed, index, task.id, self.attempts[index]))
+                self.slots[s] = (index, _Episode(task, traj, [first.text], first.admissible, generator=generator))
+
+    def turn(self, actor: Actor, greedy: bool, max_steps: int) -> None:
+        """One output per running episode (`actor.decide`), parsed and stepped, each step recorded; the
+        episodes that end free their slots. `actor.observed` sees the episodes that moved."""
+        active = [s for s, e in enumerate(self.slots) if e is not None]
+        episodes = [self.slots[s][1] for s in active]
+        decisions = actor.decide(episodes, greedy, active)
+        outputs = [clean_text(d.output) for d in decisions]  # whatever the backend decoded, the store holds valid UTF-8
+        actions = [actor.parse(o) for o in outputs]
+        stepping = [(s, a) for s, a in zip(active, actions) if a is not None]
+        stepped = dict(zip([s for s, _ in stepping], self.map(lambda job: _attempt(self.envs[job[0]].step, job[1]), stepping)))
+        moved = []
+        for s, ep, d, output, action in zip(active, episodes, decisions, outputs, actions):
+            if action is None:
+                obs, reward, done, won, valid, admissible = ep.observations[-1], 0.0, False, False, False, ep.admissible
+            else:
+                r = stepped[s]
+                if isinstance(r, Exception):
+                    self.fail(s, self.slots[s][0], ep.traj, r)
+                    continue
+                obs, reward, done, won, valid, admissible = r.observation, r.reward, r.done, r.won, r.valid, r.admissible
+            ep.traj.steps.append(
+                StepRecord(
+                    step=len(ep.outputs), observation=ep.observations[-1], output=output, action=action,
+                    next_observation=obs, reward=reward, done=done, won=won, valid=valid,
+                    logp=d.logp, prompt_tokens=d.prompt_tokens, output_tokens=d.output_tokens,
+                )
+            )
+            moved.append(ep)
+            ep.outputs.append(output)
+            ep.observations.append(obs)
+            ep.admissible = admissible
+            if done or len(ep.outputs) >= min(max_steps, ep.task.max_steps or max_steps):
+                ep.traj.won = won
+                ep.traj.failure = "" if won else ("done" if done else "max_steps")
+                self.finish(self.slots[s][0], ep.traj)
+                self.slots[s] = None
+                self.bar.set_postfix(success=f"{sum(t.won for t in self.results.values())}/{len(self.results)}")
+        actor.observed(moved)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.pool:
+            self.pool.shutdown()
+        for env in self.envs:
+            env.close()
 
 
 def play_in(cfg: EnvConfig, tasks: list[Task], actor: Actor, **kwargs) -> list[Trajectory]:
@@ -210,6 +229,26 @@ def episode_metrics(trajs: list[Trajectory]) -> dict:
         "by_type": {ty: {"episodes": sum(t.task_type == ty for t in trajs), "won": sum(t.won for t in trajs if t.task_type == ty)}
                     for ty in types},
     }
+
+
+def count_round(state: dict, trajs: list[Trajectory], env_cfg: EnvConfig, stage: str) -> list[Trajectory]:
+    """Add an online round's episodes to its stage's running counts (`state`: env steps, tokens, generated
+    tokens, episodes, won); the episodes the environment failed count in the steps but are left out
+    (`check_env_failures`). Returns the episodes kept."""
+    steps = [s for t in trajs for s in t.steps]
+    state["env_steps"] += len(steps)
+    state["tokens"] += sum(s.prompt_tokens + s.output_tokens for s in steps)
+    state["generated_tokens"] += sum(s.output_tokens for s in steps)
+    trajs, _ = check_env_failures(trajs, env_cfg.max_failure_ratio, stage)
+    state["episodes"] += len(trajs)
+    state["won"] += sum(t.won for t in trajs)
+    return trajs
+
+
+def online_metrics(state: dict, previous_metrics: Path) -> dict:
+    """An online stage's rounds, episodes and success rate, and what it spent (`spent`), from its counts."""
+    return {"rounds": state["round"], "episodes": state["episodes"], "success_rate": state["won"] / max(state["episodes"], 1),
+            **spent(state["env_steps"], state["tokens"], state["generated_tokens"], previous_metrics)}
 
 
 def spent(env_steps: int, tokens: int, generated: int, previous_metrics: Path) -> dict:

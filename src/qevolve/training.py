@@ -222,16 +222,7 @@ def train(
     torch.manual_seed(cfg.seed)
     sharded = is_sharded(model)
     if sharded:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
-        )
-        from torch.distributed.fsdp import FSDPModule
-
-        # A forward pass without backward (the policy's reference pass) leaves the root unit's weights
-        # gathered; the optimiser must hold the sharded ones.
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        _reshard(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(_by_rate(model, cfg.lr), lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps_per_epoch = -(-len(items) // cfg.batch_size)
@@ -246,59 +237,27 @@ def train(
     curve: list[dict] = []
     epoch, skip, epoch_rng = 0, 0, rng.getstate()
     if checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False, map_location="cpu")
-        if state["fingerprint"] == key:
-            if sharded:
-                set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True, strict=False))
-                set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-            else:
-                model.load_state_dict(state["model"], strict=False)
-                optimizer.load_state_dict(state["optimizer"])
-            schedule.load_state_dict(state["schedule"])
-            torch.set_rng_state(state["torch_rng"])
+        state = _resume(checkpoint, key, model, optimizer, schedule, sharded)
+        if state is not None:
             epoch, skip, epoch_rng, curve = state["epoch"], state["batch"], state["epoch_rng"], state["curve"]
             log.warning("%s: resuming from the checkpoint at step %d of %d (%s)", desc, len(curve), total, checkpoint)
         else:
             log.warning("%s: ignoring checkpoint %s, written for another configuration or dataset", desc, checkpoint)
-
-    rank, world = rank_and_world()
+    world = rank_and_world()[1]
 
     def save(epoch: int, batch: int, epoch_rng) -> None:
-        if sharded:  # gathered whole on rank 0 (collectives: every rank takes part)
-            weights = full_state(model)
-            moments = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        elif rank == 0:
-            weights = {n: t.detach().clone() for n, t in model.state_dict().items() if n in saved}
-            moments = optimizer.state_dict()
-        if rank == 0:
-            state = {
-                "fingerprint": key, "model": weights, "optimizer": moments, "schedule": schedule.state_dict(),
-                "torch_rng": torch.get_rng_state(), "epoch": epoch, "batch": batch, "epoch_rng": epoch_rng, "curve": curve,
-            }
-            with atomic_path(checkpoint) as tmp:
-                torch.save(state, tmp)
-        if world > 1:
-            torch.distributed.barrier()  # the others wait until rank 0 has written it
+        position = {"epoch": epoch, "batch": batch, "epoch_rng": epoch_rng, "curve": curve}
+        _save_training(checkpoint, key, model, optimizer, schedule, saved, sharded, position)
 
     model.train()
-    with tqdm(total=total, initial=len(curve), desc=desc, unit="step", disable=rank != 0) as bar:
+    with tqdm(total=total, initial=len(curve), desc=desc, unit="step", disable=not is_main()) as bar:
         while epoch < cfg.epochs:
             rng.setstate(epoch_rng)
             for i, micro in enumerate(batches(items, cfg, rng, length, run.micro_batch_tokens)):
                 if i < skip:
                     continue
                 started = time.perf_counter()
-                optimizer.zero_grad(set_to_none=True)
-                metrics = step(micro)
-                if sharded:  # FSDP averaged the gradients: back to their sum
-                    for p in params:
-                        if p.grad is not None:  # None: unused by this loss (the critic never reads the LM head)
-                            p.grad.mul_(world)
-                if world > 1:
-                    metrics = _sum_across_ranks([] if sharded else params, metrics, model_device(model))
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                optimizer.step()
-                schedule.step()
+                metrics = _optimiser_step(model, optimizer, schedule, params, lambda: step(micro), sharded, world)
                 if after_step is not None:
                     after_step()
                 if model_device(model).type == "cuda":
@@ -314,6 +273,74 @@ def train(
                 save(epoch, 0, epoch_rng)
     model.eval()
     return curve
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """A forward pass without backward (the policy's reference pass) leaves the root unit's weights
+    gathered; the optimiser must hold the sharded ones."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _optimiser_step(model, optimizer, schedule, params: list, passes: Callable[[], dict], sharded: bool, world: int) -> dict:
+    """One optimiser step: zeroed gradients, `passes()` (the forward and backward passes, returning their
+    metrics), the gradients and metrics summed across ranks, clipping at norm 1, the step and the schedule."""
+    optimizer.zero_grad(set_to_none=True)
+    metrics = passes()
+    if sharded:  # FSDP averaged the gradients: back to their sum
+        for p in params:
+            if p.grad is not None:  # None: unused by this loss (the critic never reads the LM head)
+                p.grad.mul_(world)
+    if world > 1:
+        metrics = _sum_across_ranks([] if sharded else params, metrics, model_device(model))
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    schedule.step()
+    return metrics
+
+
+def _resume(checkpoint: Path, key: str, model, optimizer, schedule, sharded: bool) -> dict | None:
+    """Load the training state saved at `checkpoint` into the model, optimiser, schedule and torch's RNG, and
+    return it (its position: epoch, batch, epoch_rng, curve); None, loading nothing, when it was written
+    for another training (`key`)."""
+    state = torch.load(checkpoint, weights_only=False, map_location="cpu")
+    if state["fingerprint"] != key:
+        return None
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True, strict=False))
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+    else:
+        model.load_state_dict(state["model"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    torch.set_rng_state(state["torch_rng"])
+    return state
+
+
+def _save_training(checkpoint: Path, key: str, model, optimizer, schedule, saved: set[str], sharded: bool, position: dict) -> None:
+    """Write the whole training state to `checkpoint` atomically on rank 0 (a sharded model's is gathered
+    there: every rank takes part); the other ranks wait until it is written."""
+    rank, world = rank_and_world()
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        weights = full_state(model)
+        moments = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    elif rank == 0:
+        weights = {n: t.detach().clone() for n, t in model.state_dict().items() if n in saved}
+        moments = optimizer.state_dict()
+    if rank == 0:
+        state = {"fingerprint": key, "model": weights, "optimizer": moments, "schedule": schedule.state_dict(),
+                 "torch_rng": torch.get_rng_state(), **position}
+        with atomic_path(checkpoint) as tmp:
+            torch.save(state, tmp)
+    if world > 1:
+        torch.distributed.barrier()  # the others wait until rank 0 has written it
 
 
 def checkpoint_activations(model: torch.nn.Module) -> None:

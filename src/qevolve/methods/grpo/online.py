@@ -21,12 +21,11 @@ from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, atomic_path, write_json
 from qevolve.data.store import Trajectory
 from qevolve.envs import make_env, select_tasks
-from qevolve.envs.base import check_env_failures
 from qevolve.models.device import placement
 from qevolve.models.policy import Actor, load_policy
 from qevolve.models.prompt import PROMPT_FILE, make_builder
 from qevolve.policy_update import policy_items, policy_step, reference_pass
-from qevolve.rollout import another_round, play_in, spent
+from qevolve.rollout import another_round, count_round, online_metrics, play_in
 from qevolve.training import changing_tensors, checkpoint_path, fingerprint, input_digest, load_round, train, trained_state
 
 
@@ -68,13 +67,7 @@ def online(params: Params, base_dir: Path, previous_dir: Path, out: Path, metric
             env_cfg, [t for t in tasks for _ in range(cfg.group_size)], actor, greedy=False, source=f"policy@{iteration - 1}",
             batch_size=len(tasks) * cfg.group_size, seed=seed, desc=f"online@{iteration} round {r + 1}",
         )
-        steps = [s for t in trajs for s in t.steps]
-        state["env_steps"] += len(steps)
-        state["tokens"] += sum(s.prompt_tokens + s.output_tokens for s in steps)
-        state["generated_tokens"] += sum(s.output_tokens for s in steps)
-        trajs, _ = check_env_failures(trajs, env_cfg.max_failure_ratio, f"online@{iteration}")
-        state["episodes"] += len(trajs)
-        state["won"] += sum(t.won for t in trajs)
+        trajs = count_round(state, trajs, env_cfg, f"online@{iteration}")
         advantages = group_advantages(trajs)
         items = [it for it in policy_items(builder, trajs, advantages, out) if bool(it.advantages.abs().gt(0).any())]
         row = {"round": r + 1, "env_steps": state["env_steps"], "success_rate": sum(t.won for t in trajs) / max(len(trajs), 1), "updated_windows": len(items)}
@@ -93,10 +86,7 @@ def online(params: Params, base_dir: Path, previous_dir: Path, out: Path, metric
         model.save_pretrained(tmp)
         (tmp / PROMPT_FILE).write_text((Path(previous_dir) / PROMPT_FILE).read_text())
     metrics = {
-        "rounds": state["round"],
-        "episodes": state["episodes"],
-        "success_rate": state["won"] / max(state["episodes"], 1),
-        **spent(state["env_steps"], state["tokens"], state["generated_tokens"], previous_metrics),
+        **online_metrics(state, previous_metrics),
         "seconds": time.perf_counter() - start,
         **placement(model),
     }

@@ -33,7 +33,6 @@ from qevolve.config import Params
 from qevolve.data.atomic import atomic_path, write_json
 from qevolve.hierarchy.transitions import read_transitions, write_transitions
 from qevolve.envs import make_env, select_tasks
-from qevolve.envs.base import check_env_failures
 from qevolve.errors import artifact
 from qevolve.hierarchy.critic import LevelCritic, critic_items, load_critic, load_heads, save_critic, values
 from qevolve.hierarchy.roles import Transition, encode, transitions
@@ -42,7 +41,7 @@ from qevolve.hierarchy.shared import ROLES_FILE, agent_of, read_roles, role_buil
 from qevolve.models.base import target_logprobs
 from qevolve.models.device import placement
 from qevolve.models.policy import load_policy, use_adapter
-from qevolve.rollout import another_round, play_in, spent
+from qevolve.rollout import another_round, count_round, online_metrics, play_in
 from qevolve.training import changing_tensors, checkpoint_path, fingerprint, input_digest, load_round, trained_state
 from qevolve.models.device import pad_ids
 
@@ -150,24 +149,9 @@ def update(model, critic: LevelCritic, batch: list[dict], builder, cfg, critic_c
 def online(params: Params, base_dir: Path, previous_dir: Path, anchor_dir: Path, critic_dir: Path, seed_dir: Path, out: Path, critic_out: Path,
            buffer_out: Path, metrics_path: Path, curve_path: Path, iteration: int, previous_metrics: Path) -> dict:
     hrl, env_cfg = params.multi2, params.env
-    cfg = hrl.online
+    cfg, compat = hrl.online, hrl.repo_compat
     roles = read_roles(previous_dir)
-    names = role_names(roles["adapters"], roles["progress"])
-    if not names:
-        raise artifact(Path(previous_dir) / ROLES_FILE, "the online phase trains System 2's own adapter; this policy's roles share one")
-    model, tok = load_policy(base_dir, params.model, adapter=previous_dir, trainable=True, names=names)
-    for name in names:  # System 1 (and any other role) stays frozen
-        if name != LEVEL:
-            for n, p in model.named_parameters():
-                if f".{name}." in n:
-                    p.requires_grad_(False)
-    try:
-        model.load_adapter(str(Path(anchor_dir) / LEVEL), adapter_name=ANCHOR, is_trainable=False)
-    except Exception as err:  # noqa: BLE001 - peft and safetensors raise many kinds for a missing or cut file
-        raise artifact(Path(anchor_dir) / LEVEL, f"cannot load the offline System 2 adapter ({type(err).__name__}: {str(err)[:300]})") from err
-    use_adapter(model, LEVEL)
-    compat = hrl.repo_compat
-    critic = load_heads(on_actor(model, (LEVEL,), cfg.critic_lr), critic_dir) if compat else load_critic(params, base_dir, critic_dir, (LEVEL,), trainable=True)
+    model, tok, critic = _online_models(params, base_dir, previous_dir, anchor_dir, critic_dir, roles)
     builder = role_builder(params, tok)
     buffer = load_buffer(seed_dir, iteration, cfg.buffer_size)
     rng = random.Random(cfg.seed + 1000 * iteration)
@@ -194,25 +178,11 @@ def online(params: Params, base_dir: Path, previous_dir: Path, anchor_dir: Path,
         tasks = select_tasks(lister, "train", env_cfg, cfg.episodes_per_round, seed)
         trajs = play_in(env_cfg, tasks, agent, greedy=False, source=f"policy@{iteration - 1}", batch_size=len(tasks), seed=seed,
                         desc=f"online@{iteration} round {r + 1}")
-        steps = [s for t in trajs for s in t.steps]
-        state["env_steps"] += len(steps)
-        state["tokens"] += sum(s.prompt_tokens + s.output_tokens for s in steps)
-        state["generated_tokens"] += sum(s.output_tokens for s in steps)
-        trajs, _ = check_env_failures(trajs, env_cfg.max_failure_ratio, f"online@{iteration}")
-        state["episodes"] += len(trajs)
-        state["won"] += sum(t.won for t in trajs)
+        trajs = count_round(state, trajs, env_cfg, f"online@{iteration}")
         new = [[{**vars(x), "level": LEVEL} for x in seg] for t in trajs if t.steps
                for seg in online_segments(t, agent.labels[t.trajectory_id], agent.prompts)]
         state["kept"] += push(buffer, new, cfg.buffer_size, cfg.keep_fail_ratio, rng)
-        model.train()
-        critic.train()
-        flat = [x for seg in buffer for x in seg]
-        optimizers = (torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0),
-                      torch.optim.AdamW([p for n, p in critic.named_parameters() if p.requires_grad and not (compat and n.startswith("lm."))],
-                                        lr=cfg.critic_lr, weight_decay=0.0))
-        draw = (lambda: segment_batch(buffer, cfg.batch_size, rng)) if compat else (lambda: rng.sample(flat, min(cfg.batch_size, len(flat))))
-        rows = [update(model, critic, draw(), builder, cfg, hrl.critic, optimizers, tok.pad_token_id, compat)
-                for _ in range(cfg.updates_per_round)] if flat else []
+        rows = _round_updates(model, critic, buffer, builder, hrl, rng, tok.pad_token_id)
         row = {"round": r + 1, "env_steps": state["env_steps"], "success_rate": sum(t.won for t in trajs) / max(len(trajs), 1),
                "buffer_segments": len(buffer), "kept_segments": state["kept"]}
         row |= {k: sum(x[k] for x in rows) / len(rows) for k in rows[0]} if rows else {}
@@ -228,10 +198,7 @@ def online(params: Params, base_dir: Path, previous_dir: Path, anchor_dir: Path,
                                            for seg in buffer for x in seg]},
                       lambda text: len(tok.encode(text, add_special_tokens=False)))
     metrics = {
-        "rounds": state["round"],
-        "episodes": state["episodes"],
-        "success_rate": state["won"] / max(state["episodes"], 1),
-        **spent(state["env_steps"], state["tokens"], state["generated_tokens"], previous_metrics),
+        **online_metrics(state, previous_metrics),
         "buffer_segments": len(buffer),
         "buffer_success_share": sum(sum(x["reward"] for x in seg) > 0 for seg in buffer) / max(len(buffer), 1),
         "kept_segments": state["kept"],
@@ -243,3 +210,44 @@ def online(params: Params, base_dir: Path, previous_dir: Path, anchor_dir: Path,
     write_json(curve_path, state["curve"])
     ckpt.unlink(missing_ok=True)
     return metrics
+
+
+def _online_models(params: Params, base_dir: Path, previous_dir: Path, anchor_dir: Path, critic_dir: Path, roles: dict):
+    """(policy, tokenizer, critic) of the online phase: the policy with System 2's adapter trainable and the
+    other roles' frozen, the offline System 2 loaded beside it as the KL anchor (`ANCHOR`), and the critic
+    (under `repo_compat`, heads on the actor's own features)."""
+    names = role_names(roles["adapters"], roles["progress"])
+    if not names:
+        raise artifact(Path(previous_dir) / ROLES_FILE, "the online phase trains System 2's own adapter; this policy's roles share one")
+    model, tok = load_policy(base_dir, params.model, adapter=previous_dir, trainable=True, names=names)
+    for name in names:  # System 1 (and any other role) stays frozen
+        if name != LEVEL:
+            for n, p in model.named_parameters():
+                if f".{name}." in n:
+                    p.requires_grad_(False)
+    try:
+        model.load_adapter(str(Path(anchor_dir) / LEVEL), adapter_name=ANCHOR, is_trainable=False)
+    except Exception as err:  # noqa: BLE001 - peft and safetensors raise many kinds for a missing or cut file
+        raise artifact(Path(anchor_dir) / LEVEL, f"cannot load the offline System 2 adapter ({type(err).__name__}: {str(err)[:300]})") from err
+    use_adapter(model, LEVEL)
+    cfg = params.multi2.online
+    if params.multi2.repo_compat:
+        critic = load_heads(on_actor(model, (LEVEL,), cfg.critic_lr), critic_dir)
+    else:
+        critic = load_critic(params, base_dir, critic_dir, (LEVEL,), trainable=True)
+    return model, tok, critic
+
+
+def _round_updates(model, critic, buffer: list, builder, hrl, rng: random.Random, pad_id: int) -> list[dict]:
+    """A round's `updates_per_round` critic and actor updates on batches drawn from the replay buffer (whole
+    segments under `repo_compat`, transitions otherwise). Both optimisers are made anew each round: the round
+    checkpoint holds no optimiser state, so a resumed stage updates exactly as an uninterrupted one."""
+    cfg, compat = hrl.online, hrl.repo_compat
+    model.train()
+    critic.train()
+    flat = [x for seg in buffer for x in seg]
+    optimizers = (torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0),
+                  torch.optim.AdamW([p for n, p in critic.named_parameters() if p.requires_grad and not (compat and n.startswith("lm."))],
+                                    lr=cfg.critic_lr, weight_decay=0.0))
+    draw = (lambda: segment_batch(buffer, cfg.batch_size, rng)) if compat else (lambda: rng.sample(flat, min(cfg.batch_size, len(flat))))
+    return [update(model, critic, draw(), builder, cfg, hrl.critic, optimizers, pad_id, compat) for _ in range(cfg.updates_per_round)] if flat else []
