@@ -25,7 +25,7 @@ from qevolve.data.atomic import write_json
 from qevolve.data.store import StepRecord, Trajectory, write_store
 from qevolve.envs import make_env as make_configured_env
 from qevolve.envs import select_tasks
-from qevolve.envs.base import Task, TextEnv, check_env_failures, env_error
+from qevolve.envs.base import Task, TextEnv, check_env_failures, env_error, env_failures
 from qevolve.models.policy import Actor
 from qevolve.models.prompt import clean_text
 
@@ -263,6 +263,21 @@ def spent(env_steps: int, tokens: int, generated: int, previous_metrics: Path) -
         "generated_tokens": generated,
         "cumulative_generated_tokens": before.get("cumulative_generated_tokens", 0) + generated,
     }
+
+
+def play_collection(params: Params, actor, iteration: int) -> tuple[list[Trajectory], dict[str, int], int]:
+    """`collect@k`'s episodes: `collect.samples_per_task` sampled episodes of each of `collect.num_tasks` tasks
+    of `collect.split`, drawn with the iteration's seed. Returns the episodes the environment did not fail,
+    the failures by reason (`env_failures`) and the number of tasks."""
+    cfg = params.collect
+    tasks = select_tasks(make_configured_env(params.env), cfg.split, params.env, cfg.num_tasks, cfg.seed + iteration)
+    trajs = play_in(
+        params.env, [t for t in tasks for _ in range(cfg.samples_per_task)], actor, greedy=False,
+        source=f"policy@{iteration - 1}", batch_size=cfg.batch_size, seed=cfg.seed + iteration, desc=f"collect@{iteration}",
+    )
+    failures = env_failures(trajs)
+    trajs, _ = check_env_failures(trajs, params.env.max_failure_ratio, f"collect@{iteration}")
+    return trajs, failures, len(tasks)
 
 
 def collection_metrics(trajs: list[Trajectory], tasks: int, failures: dict[str, int], previous_metrics: Path) -> dict:

@@ -9,12 +9,10 @@ import torch
 from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import write_store
-from qevolve.envs import make_env, select_tasks
-from qevolve.envs.base import check_env_failures, env_failures
 from qevolve.models.policy import Actor
 from qevolve.models.ray_policy import rollout_backend
 from qevolve.models.prompt import make_builder
-from qevolve.rollout import collection_metrics, play_in
+from qevolve.rollout import collection_metrics, play_collection
 
 
 def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics_path: Path, iteration: int, previous_metrics: Path) -> dict:
@@ -27,18 +25,12 @@ def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics
     backend, tok = rollout_backend(params, base_dir, policy_dir)
     actor = Actor(None, tok, make_builder(params, tok, policy_dir), params.policy.action_mode, params.policy.temperature, params.policy.max_new_tokens,
                   backend=backend)
-    tasks = select_tasks(make_env(params.env), cfg.split, params.env, cfg.num_tasks, cfg.seed + iteration)
-    trajs = play_in(
-        params.env, [t for t in tasks for _ in range(cfg.samples_per_task)], actor, greedy=False,
-        source=f"policy@{iteration - 1}", batch_size=cfg.batch_size, seed=cfg.seed + iteration, desc=f"collect@{iteration}",
-    )
-    failures = env_failures(trajs)
-    trajs, _ = check_env_failures(trajs, params.env.max_failure_ratio, f"collect@{iteration}")
+    trajs, failures, tasks = play_collection(params, actor, iteration)
     write_store(out, trajs)
     metrics = {
         **backend.placement(),
         "truncated_observations": len(actor.builder.truncated),
-        **collection_metrics(trajs, len(tasks), failures, previous_metrics),
+        **collection_metrics(trajs, tasks, failures, previous_metrics),
     }
     write_json(metrics_path, metrics)
     return metrics

@@ -11,12 +11,10 @@ from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import write_store
 from qevolve.hierarchy.transitions import write_transitions
-from qevolve.envs import make_env, select_tasks
-from qevolve.envs.base import check_env_failures, env_failures
 from qevolve.hierarchy.config import section
 from qevolve.hierarchy.roles import ROLES, transitions
 from qevolve.hierarchy.shared import COLLECTED, make_agent
-from qevolve.rollout import collection_metrics, play_in
+from qevolve.rollout import collection_metrics, play_collection
 
 EPISODES = "episodes"
 """The step store in a `collect@k` folder, beside its transitions (`COLLECTED`)."""
@@ -26,13 +24,7 @@ def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics
     cfg = params.collect
     torch.manual_seed(cfg.seed + iteration)
     agent = make_agent(params, base_dir, policy_dir, temperature=params.policy.temperature)
-    tasks = select_tasks(make_env(params.env), cfg.split, params.env, cfg.num_tasks, cfg.seed + iteration)
-    trajs = play_in(
-        params.env, [t for t in tasks for _ in range(cfg.samples_per_task)], agent, greedy=False,
-        source=f"policy@{iteration - 1}", batch_size=cfg.batch_size, seed=cfg.seed + iteration, desc=f"collect@{iteration}",
-    )
-    failures = env_failures(trajs)
-    trajs, _ = check_env_failures(trajs, params.env.max_failure_ratio, f"collect@{iteration}")
+    trajs, failures, tasks = play_collection(params, agent, iteration)
     sets: dict[str, list] = {role: [] for role in ROLES}
     hrl = section(params)
     for t in trajs:
@@ -45,7 +37,7 @@ def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics
     metrics = {
         **agent.backend.placement(),
         "truncated_observations": len(agent.builder.truncated),
-        **collection_metrics(trajs, len(tasks), failures, previous_metrics),
+        **collection_metrics(trajs, tasks, failures, previous_metrics),
         **{f"{role}_transitions": len(rows) for role, rows in sets.items()},
     }
     write_json(metrics_path, metrics)
