@@ -134,6 +134,28 @@ def test_sciworld_task_types_are_checked_against_its_data(tmp_path, monkeypatch)
         check_data(EnvConfig(name="scienceworld", task_types=["task-1-boil-water"]))
 
 
+def test_every_environment_spec_names_a_module_that_builds_and_checks_it():
+    from qevolve.config import EnvConfig
+    from qevolve.environments import ENVIRONMENTS, REPLY, adapter
+
+    assert list(EnvConfig.model_fields["name"].annotation.__args__) == list(ENVIRONMENTS)
+    for name, spec in ENVIRONMENTS.items():
+        module = adapter(name)
+        assert callable(module.create) and callable(module.check_data), name
+        assert spec.intro.endswith(REPLY), name  # every prompt asks for actions alike (the hierarchy's roles cut it off)
+
+
+def test_missing_environment_data_is_a_user_error_saying_where_it_is_read_from(tmp_path, monkeypatch):
+    """`check_data` names the environment and the missing path; the hint is its `EnvSpec.data`."""
+    from qevolve.config import EnvConfig
+    from qevolve.envs import MissingData, check_data
+
+    monkeypatch.setenv("QEVOLVE_SPLITS", str(tmp_path / "nowhere"))
+    with pytest.raises(MissingData, match=rf"env.name scienceworld: {tmp_path}/nowhere/sciworld: no sciworld split files here") as err:
+        check_data(EnvConfig(name="scienceworld"))
+    assert err.value.hint == "scienceworld reads the `scienceworld` package, and its split files in $QEVOLVE_SPLITS/sciworld"
+
+
 @pytest.fixture(scope="module")
 def sciworld_env():
     env = scienceworld.ScienceWorldEnv(expert="gold")

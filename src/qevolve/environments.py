@@ -47,7 +47,7 @@ ENVIRONMENTS = {spec.name: spec for spec in (
                         "pick_cool_then_place_in_recep", "pick_two_obj_and_place")),
     EnvSpec("scienceworld", "qevolve.envs.scienceworld", ("train", "valid_seen", "valid_unseen"), ("gold",),
             f"Carry out a science experiment in a simulated world to solve a task. {REPLY}",
-            "the `scienceworld` package, and its split files in $QEVOLVE_SPLITS/scienceworld"),
+            "the `scienceworld` package, and its split files in $QEVOLVE_SPLITS/sciworld"),
     EnvSpec("webshop", "qevolve.envs.webshop", ("train", "test"), ("gold",),
             f"Shop on a web store for the product you are asked for. Use search[query] on the search page and "
             f"click[button] to click a listed button. {REPLY}",
