@@ -25,10 +25,8 @@ from typing import Any, Literal
 
 from prefect import flow
 
-from tasks.scaleout import load_settings, use_remote
 from flows.tracking import log_evolution_views, log_iteration_views, log_stage, log_timing, start_evolution, start_iteration
 from qevolve import dvcfile, paths
-from qevolve.summary import summary_table
 from qevolve.config import load_params
 from qevolve.data.atomic import write_json
 from qevolve.envs import check_data
@@ -36,7 +34,9 @@ from qevolve.errors import UserError, debugging, inside, report
 from qevolve.lock import workspace_lock
 from qevolve.recipe import load_recipe
 from qevolve.stages import iteration_stages, pipeline, stage_name
+from qevolve.summary import summary_table
 from tasks import run_pipeline_stage
+from tasks.scaleout import load_settings, use_remote
 
 ROOT = Path(__file__).resolve().parent.parent
 Profile = Literal[("", *sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml")))]

@@ -16,10 +16,10 @@ from qevolve import paths
 from qevolve.config import Params, lineage_dump
 from qevolve.data.atomic import write_json
 from qevolve.errors import UserError
+from qevolve.data.advantages import read_advantages
+from qevolve.data.store import read_store
 from qevolve.lock import STATE_DIR
 from qevolve.recipe import Stage
-from qevolve.data.store import read_store
-from qevolve.data.advantages import read_advantages
 
 SAMPLE_TRAJECTORIES = 4
 PLACEMENT = ("device", "dtype", "processes", "sharded")
