@@ -38,6 +38,7 @@ from prefect import flow, get_run_logger
 from qevolve.data.atomic import atomic_path
 from tasks.scaleout import DEPLOYMENT, ROOT, SRC, Remote, carried_path, code_digest, stage_inputs, use_remote, worker_root
 
+
 def _run_name() -> str:
     from prefect.runtime import flow_run
 
