@@ -277,6 +277,33 @@ def test_every_family_passes_the_sanity_gate_and_its_mistakes_fail_its_validator
         env.close()
 
 
+@pytest.mark.parametrize("sandbox", ["bwrap", "local"])
+def test_an_episode_shows_the_same_whenever_it_runs(tmp_path, sandbox):
+    """The archive is made in the episode (setup.sh), the folder copied from files written at another time: neither
+    the archive's bytes nor a listing may carry the clock, else one run's prompts differ from the next's."""
+    from qevolve.envs.terminal_tasks import make, write_task
+
+    if sandbox == "bwrap" and shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    write_task(make("archive", 1), tmp_path / "train" / "a")
+    env = TerminalEnv(str(tmp_path), TerminalConfig(sandbox=sandbox), max_steps=5)
+    seen = []
+    try:
+        for when in (1_000_000_000, 1_500_000_000):
+            for f in (tmp_path / "train" / "a").rglob("*"):
+                os.utime(f, (when, when))
+            obs = env.reset(Task("a", "train", "archive"))
+            looked = env.step("touch later.txt && ls -la").observation
+            here = env.session.app  # the local backend's folder is a new temporary one each episode
+            seen.append((obs.text.replace(here, "/app"), looked.replace(here, "/app"), (env.episode_dir / "bundle.tar.gz").read_bytes()))
+            time.sleep(1.1)
+    finally:
+        env.close()
+    assert seen[0] == seen[1]
+    assert "bundle.tar.gz" in seen[0][0] and "later.txt" in seen[0][1]
+    assert not re.search(r"\d\d:\d\d|20\d\d", seen[0][0] + seen[0][1]), "a listing shows no clock"
+
+
 def test_the_gate_rejects_a_task_a_do_nothing_agent_passes_and_one_its_oracle_fails(tmp_path):
     from qevolve.envs.terminal_tasks import gate
 

@@ -57,6 +57,9 @@ ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "nsswitch.co
 """What of the host's /etc a bwrap sandbox sees (the loader's files and links); passwd and group are stubs."""
 PASSWD = "root:x:0:0:root:/root:/usr/sbin/nologin\nagent:x:1000:1000:agent:/app:/bin/bash\nnobody:x:65534:65534:nobody:/app:/bin/bash\n"
 GROUP = "root:x:0:\nagent:x:1000:\nnogroup:x:65534:\n"
+# every backend's shell: UTF-8, and listings without clock times (GNU ls reads TIME_STYLE), so what an episode
+# shows depends on its task and actions, not on when it ran; `ls --full-time` and `stat` still show them
+SHELL_ENV = {"LANG": "C.UTF-8", "TZ": "UTC", "TIME_STYLE": "+"}
 
 
 def host_uid() -> int:
@@ -223,7 +226,8 @@ class Session:
             return ["docker", "run", "--rm", "-i", "--name", self.container, "--network", "none", "--read-only", "--cap-drop", "ALL",
                     "--security-opt", "no-new-privileges", "--user", f"{uid}:{uid}", "--memory", f"{lim.memory_mb}m",
                     "--pids-limit", str(lim.processes), "--ulimit", f"fsize={lim.file_mb << 20}", "--tmpfs", f"/tmp:size={lim.tmp_mb}m",
-                    "-v", f"{self.workdir}:/app", *mounts, "-w", "/app", "-e", "HOME=/app", "-e", "LANG=C.UTF-8", self.image, *shell]
+                    "-v", f"{self.workdir}:/app", *mounts, "-w", "/app", "-e", "HOME=/app",
+                    *(a for k, v in SHELL_ENV.items() for a in ("-e", f"{k}={v}")), self.image, *shell]
 
         def data(text: str, inside: str) -> list[str]:
             read, write = os.pipe()
@@ -257,7 +261,7 @@ class Session:
             user = ["--unshare-all", "--unshare-user", "--disable-userns", "--uid", "1000", "--gid", "1000"]
         return ["bwrap", *binds, "--bind", str(self.workdir), "/app", "--chdir", "/app", *user,
                 "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/app",
-                "--setenv", "LANG", "C.UTF-8", *shell]
+                *(a for k, v in SHELL_ENV.items() for a in ("--setenv", k, v)), *shell]
 
     def _enter(self) -> None:
         """In the sandbox's process before it runs bwrap: join the cgroups."""
@@ -266,7 +270,7 @@ class Session:
 
     def _start(self) -> None:
         cgroup = self.cgroups
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.workdir), "LANG": "C.UTF-8"}
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.workdir), **SHELL_ENV}
         if self.backend == "docker":  # the client's settings (DOCKER_HOST, ...); the container gets none of them
             env = dict(os.environ)
         fds: list[int] = []

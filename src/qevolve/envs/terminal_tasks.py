@@ -134,7 +134,7 @@ def archive(rng: random.Random) -> Spec:
     contents = {n: f"{n} {rng.randint(0, 9999)}\n" for n in names}
     member = f"bundle/{names[0]}.txt"
     setup = "mkdir -p bundle\n" + "".join(f"printf '%s' '{c}' > bundle/{n}.txt\n" for n, c in contents.items()) + \
-        "tar -czf bundle.tar.gz bundle\nrm -r bundle\n"
+        "tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf - bundle | gzip -n > bundle.tar.gz\nrm -r bundle\n"
     return Spec(
         "archive", f"Extract only {member} from bundle.tar.gz, keeping its path, and leave the archive in place.",
         {}, _tests(f"""
