@@ -31,7 +31,7 @@ from pathlib import Path
 from prefect import flow
 
 from flows.provenance import git_commit, packages, packages_sha256
-from flows.table_report import gather, log_table, markdown, merge, render_plots, write_curves
+from flows.table_report import code_of, gather, log_table, markdown, merge, render_plots, write_curves
 from flows.table_spec import budget, first_seeds, load_spec, only_seeds, only_workspaces, workspace_params
 from flows.workspace import ROOT, prepare
 from qevolve.config import ConfigError
@@ -91,14 +91,19 @@ def table(spec_path: str, out: str | None = None, seeds: int | None = None, only
     return {"out": str(out_dir), "mlflow_parent_run_id": run_id, "wall_s": wall, "table": text, "images": [str(p) for p in images], "git_commit": commit}
 
 
-def write_merged(spec_path: str, files: list[str], out: str | None = None, replace: bool = False) -> dict:
+def write_merged(spec_path: str, files: list[str], out: str | None = None, replace: bool = False, mixed: bool = False) -> dict:
     """`merge` of the results files into `<out>/table.md` and `<out>/results.json` (no runs, no plots:
-    those stay with each run's own folder and MLflow database)."""
+    those stay with each run's own folder and MLflow database). With `mixed`, a table joined from other code
+    says which."""
     spec = load_spec(Path(spec_path))
-    results, sources = merge(spec, [Path(f) for f in files], replace)
+    results, sources = merge(spec, [Path(f) for f in files], replace, mixed)
     out_dir = Path(out or ROOT / "runs" / spec.name).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     text = markdown(results, spec.by_type, spec.splits())
+    codes = {c for s in sources for c in code_of(s)}
+    if len(codes) > 1:
+        text += (f"\n**Joined from runs of different code** (`--mixed-code`): commits {', '.join(sorted({str(c) for c, _ in codes}))}, "
+                 f"{len({p for _, p in codes})} package listing(s); a difference between rows may be the code's.\n")
     write_json(out_dir / "results.json", {"spec": spec.model_dump(), "rows": results, "merged_from": sources})
     with atomic_path(out_dir / "table.md") as tmp:
         tmp.write_text(text)
@@ -114,14 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--seed", type=int, action="append", help="run only this seed of the spec (repeatable); join the runs with --merge")
     which.add_argument("--merge", nargs="+", metavar="RESULTS", help="run nothing: join these results.json files of the spec's table into one table")
     parser.add_argument("--replace", action="store_true", help="with --merge: a later file's seed with other figures replaces the earlier file's")
+    parser.add_argument("--mixed-code", action="store_true",
+                        help="with --merge: join files computed with other code (commits, packages); the table says so")
     parser.add_argument("--workspace", action="append", help="run only this workspace of the spec (repeatable), with its rows")
     parser.add_argument("--env-steps", type=int, help="the budget of the match_env_steps workspaces when the workspace they match does not run here")
     args = parser.parse_args(argv)
-    if args.replace and not args.merge:
-        parser.error("--replace: only with --merge")
+    if (args.replace or args.mixed_code) and not args.merge:
+        parser.error("--replace and --mixed-code: only with --merge")
     try:
         if args.merge:
-            result = write_merged(args.spec, args.merge, args.out, args.replace)
+            result = write_merged(args.spec, args.merge, args.out, args.replace, args.mixed_code)
             print(result["table"])
             for s in result["sources"]:
                 for r in s.get("replaced", []):

@@ -14,8 +14,11 @@ import yaml
 from flows.provenance import packages_sha256
 from flows.table_spec import SPLITS, Spec
 from flows.workspace import demonstration_steps, own_env_steps, read_metrics
+from qevolve import paths
+from qevolve.algos.stats import clustered, paired_bootstrap, percent_interval
 from qevolve.config import ConfigError
 from qevolve.data.atomic import atomic_path, write_json
+from qevolve.data.store import read_episodes
 
 BY_TYPE_KEYS = ("high_tokens_per_episode", "low_tokens_per_episode", "subtasks_per_episode", "invalid_rate", "repeated_rate")
 """What a per-type table reads of an evaluation beside its successes per type (the role keys only a
@@ -26,8 +29,21 @@ def mean_std(values: list[float]) -> tuple[float, float | None]:
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
+def task_outcomes(root: Path, stage: str) -> dict[str, dict]:
+    """Per split, per task: its type, and the episodes and wins the row's stage played on it (read from the
+    stage's episodes, `data/evaluate@k` or `data/rerank@k`; what pairs two rows by task)."""
+    name, _, k = stage.partition("@")
+    out: dict[str, dict] = {}
+    for e in read_episodes(root / {"evaluate": paths.evaluation, "rerank": paths.reranked}[name](int(k))):
+        task = out.setdefault(e["split"], {}).setdefault(e["task_id"], {"type": e["task_type"], "won": 0, "episodes": 0})
+        task["won"] += e["won"]
+        task["episodes"] += 1
+    return out
+
+
 def gather(spec: Spec, out: Path) -> list[dict]:
-    """Per row: per seed, the row stage's metrics per split, and the env steps and tokens behind it."""
+    """Per row: per seed, the row stage's metrics per split, its outcome on each task, and the env steps and
+    tokens behind it."""
     results = []
     for row in spec.rows:
         ws = spec.workspaces[row.workspace]
@@ -35,11 +51,14 @@ def gather(spec: Spec, out: Path) -> list[dict]:
         for seed in spec.seeds[: ws.seeds]:
             root = out / f"{row.workspace}-s{seed}"
             m = read_metrics(root, row.stage)
+            tasks = task_outcomes(root, row.stage)
             experts = demonstration_steps(root)
             first = next(iter(m.values()))
             seeds.append({
                 "seed": seed, "workspace": str(root.relative_to(out)),
                 **{f"{split}/{key}": m[split][key] for split in spec.splits() if split in m for key in ("success_rate", "avg_reward", "episodes")},
+                **{f"{split}/env_failures": m[split].get("env_failures", 0) for split in spec.splits() if split in m},
+                **{f"{split}/tasks": tasks.get(split, {}) for split in spec.splits() if split in m},
                 **{f"{split}/tokens_per_episode": m[split]["prompt_tokens_per_episode"] + m[split]["output_tokens_per_episode"]
                    for split in spec.splits() if split in m},
                 **({f"{spec.by_type}/{key}": m[spec.by_type][key] for key in (*BY_TYPE_KEYS, "by_type") if key in m[spec.by_type]}
@@ -48,8 +67,64 @@ def gather(spec: Spec, out: Path) -> list[dict]:
                 "own_env_steps": first["cumulative_env_steps"] - experts,
                 "generated_tokens": first.get("cumulative_generated_tokens", 0),
             })
-        results.append({"row": row.name, "workspace": row.workspace, "stage": row.stage, "seeds": seeds})
+        results.append({"row": row.name, "workspace": row.workspace, "stage": row.stage, "against": spec.against(row), "seeds": seeds})
     return results
+
+
+def outcomes(seeds: list[dict], split: str, task_type: str | None = None) -> dict[str, list[float]]:
+    """Task -> its episodes' outcomes (0 or 1) over every seed, of one type or all (`clustered`'s input). A seed
+    from before per-task outcomes were kept counts each of its episodes as a task of its own (no clustering)."""
+    out: dict[str, list[float]] = {}
+    for j, s in enumerate(seeds):
+        tasks = s.get(f"{split}/tasks")
+        if tasks is None:
+            types = s.get(f"{split}/by_type")
+            counts = [c for ty, c in types.items() if task_type in (None, ty)] if types is not None else [
+                {"episodes": s[f"{split}/episodes"], "won": round(s[f"{split}/success_rate"] * s[f"{split}/episodes"])}]
+            won = sum(c["won"] for c in counts)
+            for i in range(sum(c["episodes"] for c in counts)):
+                out[f"seed #{j} episode {i}"] = [float(i < won)]
+            continue
+        for name, t in tasks.items():
+            if task_type is None or t["type"] == task_type:
+                out.setdefault(name, []).extend([1.0] * t["won"] + [0.0] * (t["episodes"] - t["won"]))
+    return out
+
+
+def rate_cell(seeds: list[dict], split: str, task_type: str | None = None) -> str:
+    """`28.0 [21.9, 35.1] (52/186)`: the pooled success %, its 95 % interval clustered by task, won of episodes."""
+    found = outcomes(seeds, split, task_type)
+    if not found:
+        return ""
+    c = clustered(found)
+    return f"{percent_interval(c['rate'], c['low'], c['high'])} ({c['won']:.0f}/{c['episodes']})"
+
+
+def difference_cell(results: list[dict], r: dict, split: str) -> str:
+    """`+4.3 [-2.1, +10.8] vs #1`: this row's success minus its `against` row's on the tasks and seeds both
+    played, with the paired bootstrap's 95 % interval; empty where a row lacks per-task outcomes."""
+    index = {x["row"]: i for i, x in enumerate(results, 1)}
+    if r.get("against") not in index:
+        return ""
+    other = results[index[r["against"]] - 1]
+
+    def by_task(row: dict) -> dict[str, dict[int, float]] | None:
+        if any(f"{split}/tasks" not in s for s in row["seeds"]):
+            return None
+        table: dict[str, dict[int, float]] = {}
+        for s in row["seeds"]:
+            for name, t in s[f"{split}/tasks"].items():
+                table.setdefault(name, {})[s["seed"]] = t["won"] / t["episodes"]
+        return table
+
+    a, b = by_task(r), by_task(other)
+    if not a or not b:
+        return ""
+    try:
+        d = paired_bootstrap(a, b)
+    except ValueError:
+        return ""
+    return f"{percent_interval(d['difference'], d['low'], d['high'], signed=True)} vs #{index[other['row']]}"
 
 
 def fmt(values: list[float], percent: bool = False, digits: int = 3) -> str:
@@ -61,48 +136,51 @@ def fmt(values: list[float], percent: bool = False, digits: int = 3) -> str:
     return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if s is not None else "")
 
 
+LEGEND = ("success %: pooled over seeds, with its 95 % Wilson interval at the sample size left once episodes of one "
+          "task are counted as the correlated draws they are (Kish's design effect), and won/episodes. Δ: the row's success "
+          "minus the row named, on the tasks and seeds both played, with a 95 % paired bootstrap interval (tasks, then each "
+          "task's seeds, drawn again); an interval holding 0 does not tell the rows apart. env fail: episodes the environment "
+          "failed, left out of the rates.\n")
+
+
+def env_failures(seeds: list[dict], splits: tuple[str, ...]) -> int:
+    return sum(s.get(f"{split}/env_failures", 0) for s in seeds for split in splits)
+
+
 def by_type_markdown(results: list[dict], split: str) -> str:
-    """The per-task-type table of `split`: success % ± binomial standard error of every seed's episodes
-    pooled, per type and over all, then the means over seeds of tokens per episode by role, System 1 calls
-    per episode, invalid and repeated-action rates."""
+    """The per-task-type table of `split`: success per type and over all (`rate_cell`), the difference with the
+    row compared with (`difference_cell`), then the means over seeds of tokens per episode by role, System 1
+    calls per episode, invalid and repeated-action rates."""
     types = sorted({ty for r in results for s in r["seeds"] for ty in s.get(f"{split}/by_type", {})})
-    head = (f"| # | row | seeds | {' | '.join(f'{ty} success %' for ty in types)} | all success % | tokens per episode (high / low) | "
-            "System 1 calls per episode | invalid % | repeated % |")
-    lines = [head, "|---:|---|---:|" + "---:|" * (len(types) + 5)]
-
-    def pooled(counts: list[dict]) -> str:
-        n, won = sum(c["episodes"] for c in counts), sum(c["won"] for c in counts)
-        if not n:
-            return ""
-        p = won / n
-        return f"{100 * p:.1f} ± {100 * (p * (1 - p) / n) ** 0.5:.1f} ({won}/{n})"
-
+    head = (f"| # | row | seeds | {' | '.join(f'{ty} success %' for ty in types)} | all success % | Δ all | env fail | "
+            "tokens per episode (high / low) | System 1 calls per episode | invalid % | repeated % |")
+    lines = [head, "|---:|---|---:|" + "---:|" * (len(types) + 7)]
     for i, r in enumerate(results, 1):
         seeds = r["seeds"]
         col = lambda key: [s[key] for s in seeds if key in s]  # noqa: E731
-        cells = [pooled([s[f"{split}/by_type"][ty] for s in seeds if ty in s.get(f"{split}/by_type", {})]) for ty in types]
-        cells.append(pooled([c for s in seeds for c in s.get(f"{split}/by_type", {}).values()]))
+        cells = [rate_cell(seeds, split, ty) for ty in types] + [rate_cell(seeds, split), difference_cell(results, r, split),
+                                                                 str(env_failures(seeds, (split,)))]
         high, low = col(f"{split}/high_tokens_per_episode"), col(f"{split}/low_tokens_per_episode")
         tokens = f"{fmt(high, digits=0)} / {fmt(low, digits=0)}" if high else fmt(col(f"{split}/tokens_per_episode"), digits=0) + " (flat)"
         calls = col(f"{split}/subtasks_per_episode")
         lines.append(f"| {i} | {r['row']} | {len(seeds)} | {' | '.join(cells)} | {tokens} | {fmt(calls, digits=2) if calls else ''} | "
                      f"{fmt(col(f'{split}/invalid_rate'), True)} | {fmt(col(f'{split}/repeated_rate'), True)} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + LEGEND
 
 
 def markdown(results: list[dict], by_type: str | None = None, pair: tuple[str, ...] = SPLITS) -> str:
     if by_type:
         return by_type_markdown(results, by_type)
     label = {"valid_seen": "seen", "valid_unseen": "unseen"}
-    head = (f"| # | row | seeds | {' | '.join(f'{label.get(s, s)} success % | {label.get(s, s)} reward' for s in pair)} | own env steps | "
-            f"generated tokens | tokens per {label.get(pair[0], pair[0])} episode |")
-    lines = [head, "|---:|---|---:|" + "---:|---:|" * len(pair) + "---:|---:|---:|"]
+    head = (f"| # | row | seeds | {' | '.join(f'{label.get(s, s)} success % | Δ {label.get(s, s)} | {label.get(s, s)} reward' for s in pair)} | "
+            f"env fail | own env steps | generated tokens | tokens per {label.get(pair[0], pair[0])} episode |")
+    lines = [head, "|---:|---|---:|" + "---:|---:|---:|" * len(pair) + "---:|---:|---:|---:|"]
     for i, r in enumerate(results, 1):
         col = lambda key: [s[key] for s in r["seeds"] if key in s]  # noqa: E731
-        cells = " | ".join(f"{fmt(col(f'{s}/success_rate'), True)} | {fmt(col(f'{s}/avg_reward'))}" for s in pair)
-        lines.append(f"| {i} | {r['row']} | {len(r['seeds'])} | {cells} | {fmt(col('own_env_steps'), digits=0)} | "
+        cells = " | ".join(f"{rate_cell(r['seeds'], s)} | {difference_cell(results, r, s)} | {fmt(col(f'{s}/avg_reward'))}" for s in pair)
+        lines.append(f"| {i} | {r['row']} | {len(r['seeds'])} | {cells} | {env_failures(r['seeds'], pair)} | {fmt(col('own_env_steps'), digits=0)} | "
                      f"{fmt(col('generated_tokens'), digits=0)} | {fmt(col(f'{pair[0]}/tokens_per_episode'), digits=0)} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + LEGEND
 
 
 def write_curves(spec: Spec, out: Path) -> None:
@@ -183,13 +261,21 @@ def log_table(spec: Spec, results: list[dict], wall_s: float, images: list[Path]
         return parent.info.run_id
 
 
-def merge(spec: Spec, files: list[Path], replace: bool = False) -> tuple[list[dict], list[dict]]:
+def code_of(source: dict) -> list[tuple[str | None, str | None]]:
+    """The (commit, packages' hash) pairs a merge source's runs were computed with (a joined table's, each)."""
+    if "merged_from" in source:
+        return [c for s in source["merged_from"] for c in code_of(s)]
+    return [(source.get("git_commit"), source.get("packages_sha256"))]
+
+
+def merge(spec: Spec, files: list[Path], replace: bool = False, mixed: bool = False) -> tuple[list[dict], list[dict]]:
     """The rows of several results.json files of `spec`'s table (each from `--seed` runs), every row's
     seeds joined; and per file its commit and wall time. A seed given twice for a row is kept once where its
     figures are the same (a stage re-run, as the run cache replays or a run reproduces it); where they differ
     it is refused, or with `replace` the later file's figures replace the earlier's, listed in that file's
-    `replaced`."""
-    rows = {r.name: {"row": r.name, "workspace": r.workspace, "stage": r.stage, "seeds": []} for r in spec.rows}
+    `replaced`. Files computed with other code (another commit, a dirty tree, other packages) are refused
+    unless `mixed`."""
+    rows = {r.name: {"row": r.name, "workspace": r.workspace, "stage": r.stage, "against": spec.against(r), "seeds": []} for r in spec.rows}
     sources = []
     for f in files:
         try:
@@ -215,6 +301,11 @@ def merge(spec: Spec, files: list[Path], replace: bool = False) -> tuple[list[di
         own = {"merged_from": data["merged_from"]} if "merged_from" in data else {
             "git_commit": data.get("git_commit"), "wall_s": data.get("wall_s"), "packages_sha256": data.get("packages_sha256")}
         sources.append({"file": str(f), **own, **({"replaced": replaced} if replaced else {})})
+        codes = {c for src in sources for c in code_of(src)}
+        if len(codes) > 1 and not mixed:
+            raise ConfigError(f"{f}: git_commit/packages_sha256: its runs' code differs from an earlier file's "
+                              f"(commits {sorted({str(c) for c, _ in codes})}, {len({p for _, p in codes})} package listings); "
+                              "--mixed-code joins them anyway, and the table says so")
     for r in rows.values():
         r["seeds"].sort(key=lambda s: s["seed"])
     return [r for r in rows.values() if r["seeds"]], sources

@@ -41,6 +41,9 @@ class Row(BaseModel):
     workspace: str
     stage: str
     """The stage whose per-split metrics the row reports: `evaluate@k` or `rerank@k`."""
+    against: str | None = None
+    """The row this one is compared with, paired by task and seed (default: the table's first row, which
+    is compared with none)."""
 
 
 class Spec(BaseModel):
@@ -58,8 +61,12 @@ class Spec(BaseModel):
     `test` and `test_ood`."""
     by_type: str | None = None
     """A split to report per task type instead of the seen/unseen pair (TextCraft's `test`, whose task types
-    are the recipe depths): success per type with its binomial standard error over every seed's episodes,
+    are the recipe depths): success per type over every seed's episodes with its task-clustered interval,
     tokens per episode by role, System 1 calls per episode, invalid and repeated-action rates."""
+
+    def against(self, row: Row) -> str | None:
+        """The row `row` is compared with: its own `against`, else the first row (none for the first row)."""
+        return row.against or (None if row.name == self.rows[0].name else self.rows[0].name)
 
     def splits(self) -> tuple[str, ...]:
         return (self.by_type,) if self.by_type else tuple(self.pair)
@@ -79,6 +86,8 @@ class Spec(BaseModel):
             stage, _, k = row.stage.partition("@")
             if stage not in ("evaluate", "rerank") or not k.isdigit() or int(k) > ws.iterations:
                 raise ValueError(f"rows.{i}.stage: expected evaluate@k or rerank@k with k <= {ws.iterations}, got {row.stage!r}")
+            if row.against is not None and row.against not in {r.name for r in self.rows} - {row.name}:
+                raise ValueError(f"rows.{i}.against: expected the name of another row, got {row.against!r}")
         return self
 
 

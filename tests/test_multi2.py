@@ -243,8 +243,9 @@ def test_the_miniature_spec_validates_and_its_table_counts_successes_by_depth():
              {"test/by_type": {"depth2": {"episodes": 4, "won": 1}, "depth3": {"episodes": 2, "won": 1}}, "test/high_tokens_per_episode": 120.0,
               "test/low_tokens_per_episode": 280.0, "test/subtasks_per_episode": 3.0, "test/invalid_rate": 0.3, "test/repeated_rate": 0.5}]
     line = markdown([{"row": "Multi²", "seeds": seeds}], "test").splitlines()[2]
-    # depth2: 4 of 8 pooled, p = 0.5, s.e. sqrt(0.25 / 8) = 0.1768; depth3: 1 of 4, s.e. sqrt(0.1875 / 4) = 0.2165; all: 5 of 12
-    assert "| 50.0 ± 17.7 (4/8) | 25.0 ± 21.7 (1/4) | 41.7 ± 14.2 (5/12) | 110 ± 14 / 290 ± 14 | 2.50 ± 0.71 | 20.0 ± 14.1 | 25.0 ± 35.4 |" in line
+    # Without per-task outcomes each episode counts alone: depth2 4 of 8, Wilson: z²/n = 0.48018, centre 0.5, half-width
+    # 1.96·√(0.03125 + 0.015006) / 1.48018 = 0.28479; depth3 1 of 4: centre 0.37247, half-width 0.32689; all: 5 of 12
+    assert "| 50.0 [21.5, 78.5] (4/8) | 25.0 [4.6, 69.9] (1/4) | 41.7 [19.3, 68.0] (5/12) |  | 0 | 110 ± 14 / 290 ± 14 | 2.50 ± 0.71 | 20.0 ± 14.1 | 25.0 ± 35.4 |" in line
 
 
 def test_the_ablation_spec_trains_each_role_choice_and_the_kl_anchor_on_the_miniatures_settings():
@@ -297,13 +298,20 @@ def test_a_tables_seeds_run_apart_and_their_results_join_into_one_table(tmp_path
     for k, won in ((0, 1), (1, 3)):
         rows = [{"row": "flat BC", "workspace": "flat", "stage": "evaluate@0", "seeds": [seed(k, won)]}]
         files.append(tmp_path / f"s{k}.json")
-        files[-1].write_text(json.dumps({"spec": {"name": spec.name}, "rows": rows, "git_commit": f"c{k}", "wall_s": 10.0}))
+        files[-1].write_text(json.dumps({"spec": {"name": spec.name}, "rows": rows, "git_commit": "c0", "wall_s": 10.0 + k}))
     rows, sources = merge(spec, files[::-1])
-    assert [s["seed"] for s in rows[0]["seeds"]] == [0, 1] and [s["git_commit"] for s in sources] == ["c1", "c0"] and len(rows) == 1
+    assert [s["seed"] for s in rows[0]["seeds"]] == [0, 1] and [s["wall_s"] for s in sources] == [11.0, 10.0] and len(rows) == 1
+    other_code = tmp_path / "s1-c1.json"
+    other_code.write_text(files[1].read_text().replace('"c0"', '"c1"'))
+    with pytest.raises(ConfigError, match=r"s1-c1.json: git_commit/packages_sha256: its runs' code differs .*\['c0', 'c1'\].*--mixed-code"):
+        merge(spec, [files[0], other_code])
+    assert main([str(REPO / "benchmarks" / "multi2.yaml"), "--merge", str(files[0]), str(other_code), "--out", str(tmp_path / "mixed")]) == 2
+    assert main([str(REPO / "benchmarks" / "multi2.yaml"), "--merge", str(files[0]), str(other_code), "--mixed-code", "--out", str(tmp_path / "mixed")]) == 0
+    assert "**Joined from runs of different code** (`--mixed-code`): commits c0, c1" in (tmp_path / "mixed" / "table.md").read_text()
     again, _ = merge(spec, [files[0], files[0]])
     assert again[0]["seeds"] == [seed(0, 1)], "a seed given twice with the same figures is kept once"
     files.append(tmp_path / "s0-other.json")
-    files[-1].write_text(json.dumps({"spec": {"name": spec.name}, "rows": [{**rows[0], "seeds": [seed(0, 2)]}]}))
+    files[-1].write_text(json.dumps({"spec": {"name": spec.name}, "rows": [{**rows[0], "seeds": [seed(0, 2)]}], "git_commit": "c0"}))
     with pytest.raises(ConfigError, match=r"s0-other.json: rows: row 'flat BC' has seed\(s\) \[0\] that an earlier file gave with other figures"):
         merge(spec, [files[0], files[2]])
     kept, sources = merge(spec, [files[0], files[2]], replace=True)
@@ -313,10 +321,12 @@ def test_a_tables_seeds_run_apart_and_their_results_join_into_one_table(tmp_path
         merge(spec, [tmp_path / "other.json"])
     assert main([str(REPO / "benchmarks" / "multi2.yaml"), "--merge", *map(str, files[:2]), "--out", str(tmp_path / "joined")]) == 0
     table = (tmp_path / "joined" / "table.md").read_text()
-    assert "| 1 | flat BC | 2 | 50.0 ± 17.7 (4/8) |" in table, "4 of 8 episodes pooled over both seeds"
-    assert json.loads((tmp_path / "joined" / "results.json").read_text())["merged_from"][1]["git_commit"] == "c1"
+    assert "| 1 | flat BC | 2 | 50.0 [21.5, 78.5] (4/8) |" in table and "different code" not in table, "4 of 8 episodes pooled over both seeds"
+    assert json.loads((tmp_path / "joined" / "results.json").read_text())["merged_from"][1]["wall_s"] == 11.0
     _, sources = merge(spec, [tmp_path / "joined" / "results.json", files[0]])
-    assert [s["git_commit"] for s in sources[0]["merged_from"]] == ["c0", "c1"] and "git_commit" not in sources[0], "a joined table's runs are kept"
+    assert [s["wall_s"] for s in sources[0]["merged_from"]] == [10.0, 11.0] and "git_commit" not in sources[0], "a joined table's runs are kept"
+    with pytest.raises(ConfigError, match="code differs"):
+        merge(spec, [tmp_path / "joined" / "results.json", other_code]), "a joined table's commits are its runs'"
 
 
 def test_the_swapped_roles_ablation_trains_system_1_and_leaves_system_2_as_cloned(tmp_path, monkeypatch):

@@ -25,8 +25,12 @@ def test_smoke_table_runs_every_row_and_reuses_shared_stages(tmp_path):
     assert [r["row"] for r in results["rows"]] == [r["name"] for r in spec["rows"]]
     for r in results["rows"]:
         assert len(r["seeds"]) == 1 and 0 <= r["seeds"][0]["valid_unseen/success_rate"] <= 1
+    assert all(sum(t["episodes"] for t in r["seeds"][0]["valid_seen/tasks"].values()) == r["seeds"][0]["valid_seen/episodes"]
+               for r in results["rows"]), "each row's outcome on each task, to pair rows by"
     table = (out / "table.md").read_text()
-    assert table.count("\n") == 2 + len(spec["rows"])
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(spec["rows"]) + 2 and lines[-1].startswith("success %: pooled over seeds")
+    assert all(line.count(" vs #1 |") == 2 for line in lines[3:-2]), "every row after the first compared with it, seen and unseen"
     # The ablation reuses Q-Evolve's BC and collect@1 (same code, params and inputs): checked out from the
     # run cache, so its lock entries are Q-Evolve's.
     log = run.stdout + run.stderr

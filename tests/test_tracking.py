@@ -27,7 +27,7 @@ def test_raising_iterations_continues_the_evolution_and_the_experiment_opens_as_
         mlflow.set_tracking_uri(None)
 
 
-def test_the_summary_table_gives_each_rate_its_standard_error_and_count_and_the_critics_separation(tmp_path, monkeypatch):
+def test_the_summary_table_gives_each_rate_its_interval_and_count_and_the_critics_separation(tmp_path, monkeypatch):
     import json
 
     from qevolve.summary import summary_table
@@ -39,7 +39,8 @@ def test_the_summary_table_gives_each_rate_its_standard_error_and_count_and_the_
     (tmp_path / "metrics" / "evaluate@0.json").write_text(json.dumps({"valid_seen": split}))
     (tmp_path / "metrics" / "critic@1.json").write_text(json.dumps({"v_mean_won": 0.5, "v_mean_lost": 0.2, "v_std": 0.25}))
     table = summary_table([0, 1])
-    # p = 1/6, n = 24: sqrt(1/6 * 5/6 / 24) = 0.0761 -> 7.6%
+    # 4 of 24, Wilson: z²/n = 0.16006, centre (1/6 + 0.08003) / 1.16006 = 0.21266, half-width
+    # 1.96·√(0.005787 + 0.001667) / 1.16006 = 0.14587 -> [6.7%, 35.9%]
     row = next(line for line in table.splitlines() if line.startswith("bc"))
-    assert row.split()[2:6] == ["16.7%", "7.6%", "4/24", "2"]  # and the 2 episodes the environment failed, beside the rate
+    assert row.split()[2:7] == ["16.7%", "[6.7%,", "35.9%]", "4/24", "2"]  # and the 2 episodes the environment failed, beside the rate
     assert "critic@1: mean V on won episodes 0.500, on lost 0.200 (separation +0.300; V's std 0.250)" in table

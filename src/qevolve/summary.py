@@ -6,15 +6,16 @@ from __future__ import annotations
 import json
 
 from qevolve import paths
+from qevolve.algos.stats import wilson
 
 
 def summary_table(iterations: list[int]) -> str:
     """The evaluation table of the given iterations, read from their metrics files: each success rate
-    with its binomial standard error, the games it counts and the episodes the environment failed (left
+    with its 95 % Wilson interval, the games it counts and the episodes the environment failed (left
     out of the rate), then the critic's separation of won and lost episodes for each iteration, so a reader
     can tell what the numbers can say."""
-    head = (f"{'policy':<10} {'split':<13} {'success':>8} {'± s.e.':>7} {'won':>7} {'env fail':>8} {'reward':>7} {'steps':>6} {'invalid':>8} "
-            f"{'out tok/ep':>10} {'prompt tok/ep':>13}")
+    head = (f"{'policy':<10} {'split':<13} {'success':>8} {'95 % interval':>14} {'won':>7} {'env fail':>8} {'reward':>7} {'steps':>6} "
+            f"{'invalid':>8} {'out tok/ep':>10} {'prompt tok/ep':>13}")
     rows = [head, "-" * len(head)]
     for k in iterations:
         path = paths.metrics(f"evaluate@{k}")
@@ -23,13 +24,14 @@ def summary_table(iterations: list[int]) -> str:
         name = "bc" if k == 0 else f"iter {k}"
         for split, m in json.loads(path.read_text()).items():
             n, p = m["episodes"], m["success_rate"]
-            se = (p * (1 - p) / n) ** 0.5 if n else float("nan")
+            lo, hi = wilson(round(p * n), n)
             rows.append(
-                f"{name:<10} {split:<13} {p:>8.1%} {se:>7.1%} {f'{round(p * n)}/{n}':>7} {m.get('env_failures', 0):>8} {m['avg_reward']:>7.3f} "
+                f"{name:<10} {split:<13} {p:>8.1%} {f'[{lo:.1%}, {hi:.1%}]':>14} {f'{round(p * n)}/{n}':>7} {m.get('env_failures', 0):>8} "
+                f"{m['avg_reward']:>7.3f} "
                 f"{m['avg_steps']:>6.1f} "
                 f"{m['invalid_rate']:>8.1%} {m['output_tokens_per_episode']:>10.1f} {m['prompt_tokens_per_episode']:>13.0f}"
             )
-    rows.append("s.e. = sqrt(p(1-p)/n), the binomial standard error: two rates closer than about twice it are not told apart. "
+    rows.append("95 % interval: Wilson's, for the games played (a rate inside another row's interval is not told apart from it). "
                 "env fail: episodes the environment failed (a crash, not the policy), left out of n.")
     for k in iterations:
         path = paths.metrics(f"critic@{k}")

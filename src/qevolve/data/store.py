@@ -155,10 +155,16 @@ def read_checked(path: Path, schema: pa.Schema, schema_version: str = SCHEMA_VER
     return table
 
 
+def read_episodes(path: Path | str) -> list[dict]:
+    """Each episode of a store without its steps: `task_id`, `task_type`, `split`, `won`, ... (the columns of
+    trajectories.parquet), checked as `read_store` checks them."""
+    return read_checked(Path(path) / "trajectories.parquet", _TRAJ_SCHEMA).to_pylist()
+
+
 def read_store(path: Path | str) -> list[Trajectory]:
     """Read a store folder back into trajectories, validating both files."""
     path = Path(path)
-    trajs = read_checked(path / "trajectories.parquet", _TRAJ_SCHEMA).to_pylist()
+    trajs = read_episodes(path)
     by_id = {r["trajectory_id"]: Trajectory(**{k: r[k] for k in _TRAJ_FIELDS}) for r in trajs}
     for r in read_checked(path / "steps.parquet", _STEP_SCHEMA).to_pylist():
         t = by_id.get(r["trajectory_id"])
