@@ -114,7 +114,7 @@ def parity(base: Path, device: torch.device) -> dict:
 
 
 PIPELINE = [("experts", None), ("base", None), ("bc", None), ("evaluate", 0), ("collect", 1), ("relabel", 1), ("critic", 1),
-            ("advantage", 1), ("policy", 1), ("evaluate", 1)]
+            ("advantage", 1), ("policy", 1), ("diagnose", 1), ("evaluate", 1)]
 
 
 def pipeline(device: torch.device, scale: str) -> dict:

@@ -25,7 +25,9 @@ from typing import Any, Literal
 
 from prefect import flow
 
-from flows.tracking import log_evolution_views, log_iteration_views, log_stage, log_timing, start_evolution, start_iteration
+from flows.provenance import machine, machine_line
+from flows.tracking import (ML_VIEW, log_evolution_views, log_iteration_views, log_stage, log_timing, runs_link, start_evolution,
+                            start_iteration)
 from qevolve import dvcfile, paths
 from qevolve.config import load_params
 from qevolve.data.atomic import write_json
@@ -135,7 +137,7 @@ def publish_table(iterations: int, run) -> None:
     import mlflow
     from prefect.artifacts import create_markdown_artifact
 
-    link = f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    link = f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}?{ML_VIEW}"
     create_markdown_artifact(
         key="evaluation",
         markdown=f"# Evaluation\n\n```\n{summary_table(list(range(iterations + 1)))}\n```\n\nMLflow run `{run.info.run_id}` "
@@ -205,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"stages run: {', '.join(ran) or 'none (all up to date)'}; wall time {time.perf_counter() - start:.0f}s; "
           f"peak RSS {peak_rss_gb():.2f} GB")
+    print(f"machine: {machine_line(machine())} (what reproduces where: README, \"What reproducible means\")")
     for k in range(1, params.evolve.iterations + 1):
         timing = root / paths.metrics(f"timing@{k}")
         if timing.exists() and any(name.endswith(f"@{k}") for name in ran):
@@ -212,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"iteration {k}: {t['wall_s']:.0f}s, of which {t['overhead_share']:.1%} in Prefect, DVC and MLflow")
     where = "" if root == ROOT else f" (in {root.relative_to(ROOT) if root.is_relative_to(ROOT) else root}/)"
     print(f"Where to look next{where}:")
-    print("  mlflow ui --backend-store-uri sqlite:///mlflow.db   # runs, metrics, adapter, trajectories")
+    print("  mlflow ui --backend-store-uri sqlite:///mlflow.db   # runs, metrics, adapter, trajectories, at")
+    print(f"    {runs_link(root, params.mlflow.experiment)}")
     print("  dvc dag && dvc metrics show && dvc plots show        # lineage and results")
     print("  prefect server start                                 # flow runs in the Prefect UI")
     return 0

@@ -1,10 +1,12 @@
-"""What a run was computed with besides its parameters: the checkout's commit and the installed packages
-(both logged to MLflow with every evolution and table, and written into a table's results.json)."""
+"""What a run was computed with besides its parameters: the checkout's commit, the installed packages and
+the machine (each logged to MLflow with every evolution and table, and written into a table's results.json)."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -29,3 +31,41 @@ def packages() -> list[str]:
 
 def packages_sha256(listing: list[str]) -> str:
     return hashlib.sha256("\n".join(listing).encode()).hexdigest()
+
+
+SIMD = ("sse4", "avx", "fma", "f16c", "amx", "vnni", "bf16", "neon", "asimd", "sve")
+"""CPU flags that pick between float kernels (and so can change the order of a sum, and a greedy choice)."""
+
+
+def machine() -> dict:
+    """The machine a run computed on: the CPU's model and its vector instruction sets, the kernels torch picked
+    for them (`cpu_capability`), the threads torch uses, the GPUs with their driver and CUDA. Two machines that
+    differ here can add floats in another order, and a greedy choice between near-equal logits can flip."""
+    import torch
+
+    cpu: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            cpu.setdefault(key.strip(), value.strip())  # the first processor's
+    except OSError:
+        pass
+    flags = cpu.get("flags") or cpu.get("Features") or ""
+    out = {
+        "platform": platform.platform(), "cpu_model": cpu.get("model name") or platform.processor() or platform.machine(),
+        "cpu_simd": sorted(f for f in flags.split() if f.startswith(SIMD)),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpus": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else [],
+    }
+    if out["gpus"] and shutil.which("nvidia-smi"):
+        query = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        out["gpu_driver"] = query.stdout.strip().splitlines()[0] if query.returncode == 0 and query.stdout.strip() else None
+    return out
+
+
+def machine_line(m: dict) -> str:
+    """One line of `machine`: `AMD EPYC, AVX512 kernels, 2 torch threads of 2 CPUs, no GPU`."""
+    gpus = ", ".join(m["gpus"]) + (f" (driver {m['gpu_driver']})" if m.get("gpu_driver") else "") if m["gpus"] else "no GPU"
+    return f"{m['cpu_model']}, {m['cpu_capability']} kernels, {m['torch_threads']} torch threads of {m['cpus']} CPUs, {gpus}"

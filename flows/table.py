@@ -30,7 +30,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from flows.provenance import git_commit, packages, packages_sha256
+from flows.provenance import git_commit, machine, packages, packages_sha256
 from flows.table_report import code_of, gather, log_table, markdown, merge, render_plots, write_curves
 from flows.table_spec import budget, first_seeds, load_spec, only_seeds, only_workspaces, workspace_params
 from flows.workspace import ROOT, prepare
@@ -85,7 +85,7 @@ def table(spec_path: str, out: str | None = None, seeds: int | None = None, only
     run_id = log_table(spec, results, wall, images, commit, listing)
     text = markdown(results, spec.by_type, spec.splits())
     write_json(out_dir / "results.json", {"spec": spec.model_dump(), "rows": results, "wall_s": wall, "git_commit": commit, "mlflow_parent_run_id": run_id,
-                                          "env_steps_budget": budgets, "packages_sha256": packages_sha256(listing), "packages": listing})
+                                          "env_steps_budget": budgets, "packages_sha256": packages_sha256(listing), "packages": listing, "machine": machine()})
     with atomic_path(out_dir / "table.md") as tmp:
         tmp.write_text(text)
     return {"out": str(out_dir), "mlflow_parent_run_id": run_id, "wall_s": wall, "table": text, "images": [str(p) for p in images], "git_commit": commit}

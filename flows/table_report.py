@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from flows.provenance import packages_sha256
+from flows.provenance import machine, machine_line, packages_sha256
 from flows.table_spec import SPLITS, Spec
 from flows.workspace import demonstration_steps, own_env_steps, read_metrics
 from qevolve import paths
@@ -246,9 +246,12 @@ def log_table(spec: Spec, results: list[dict], wall_s: float, images: list[Path]
     from flows.tracking import use_experiment
 
     use_experiment(f"table-{spec.name}")
-    with mlflow.start_run(run_name=f"table-{spec.name}", tags={"qevolve.git_commit": commit, "qevolve.packages_sha256": packages_sha256(listing)}) as parent:
+    here = machine()
+    with mlflow.start_run(run_name=f"table-{spec.name}", tags={"qevolve.git_commit": commit, "qevolve.packages_sha256": packages_sha256(listing),
+                                                               "qevolve.machine": machine_line(here)}) as parent:
         mlflow.log_metric("wall_s", wall_s)
         mlflow.log_text("\n".join(listing) + "\n", "environment/packages.txt")
+        mlflow.log_dict(here, "environment/machine.json")
         mlflow.log_text(markdown(results, spec.by_type, spec.splits()), "table.md")
         for image in images:
             mlflow.log_artifact(str(image))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import mlflow
@@ -22,7 +23,7 @@ from qevolve.lock import STATE_DIR
 from qevolve.recipe import Stage
 
 SAMPLE_TRAJECTORIES = 4
-PLACEMENT = ("device", "dtype", "processes", "sharded")
+PLACEMENT = ("device", "dtype", "processes", "sharded", "cpu_capability")
 """Metrics keys that say where a stage computed (`qevolve.models.device.placement`): tags, not metrics."""
 
 
@@ -50,6 +51,18 @@ def use_experiment(name: str) -> None:
         mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, "mlflow.experimentKind", "custom_model_development")
 
 
+ML_VIEW = "workflowType=machine_learning"
+"""MLflow 3.17's UI keeps a GenAI / machine-learning switch per browser (`mlflow.workflowType`, GenAI in a fresh
+one, whose experiment page opens on traces); this URL parameter opens the runs instead."""
+
+
+def runs_link(root: Path, experiment: str) -> str:
+    """Where `mlflow ui` (on its default port) shows the workspace's evolutions: the experiment's runs."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlflow.db'}"
+    found = mlflow.MlflowClient(uri).get_experiment_by_name(experiment)
+    return f"http://127.0.0.1:5000/#/experiments/{found.experiment_id if found else 0}/runs?{ML_VIEW}"
+
+
 def evolution_identity(params: Params) -> dict:
     """What makes two runs the same evolution: the parameters that decide what is computed, less how far
     it goes (`evolve.iterations`: raising it continues the evolution) and where it runs."""
@@ -59,16 +72,18 @@ def evolution_identity(params: Params) -> dict:
 
 
 def log_attempt() -> None:
-    """Tags the active run with this attempt's code commit, installed packages' digest and Prefect flow run (the
-    latest attempt's, on a resumed run), and logs the package listing as `environment/packages.txt`."""
+    """Tags the active run with this attempt's code commit, installed packages' digest, machine and Prefect flow
+    run (the latest attempt's, on a resumed run), and logs the package listing and the machine as
+    `environment/packages.txt` and `environment/machine.json`."""
     from prefect.runtime import flow_run
 
-    from flows.provenance import git_commit, packages, packages_sha256
+    from flows.provenance import git_commit, machine, machine_line, packages, packages_sha256
 
-    listing = packages()
+    listing, here = packages(), machine()
     mlflow.set_tags({"qevolve.git_commit": git_commit(), "qevolve.packages_sha256": packages_sha256(listing),
-                     "qevolve.prefect_flow_run": str(flow_run.id or "")})
+                     "qevolve.machine": machine_line(here), "qevolve.prefect_flow_run": str(flow_run.id or "")})
     mlflow.log_text("\n".join(listing) + "\n", "environment/packages.txt")
+    mlflow.log_dict(here, "environment/machine.json")
 
 
 def start_evolution(params: Params, run_name: str):

@@ -86,7 +86,7 @@ def test_grpo_and_rerank_stages_run_and_update(tmp_path, monkeypatch, caplog):
     qevolve = parse_params(raw)
     # Near-uniform sampling, so the episodes of a group differ (some buy something) and GRPO has a signal.
     grpo = parse_params({**raw, "rerank": {}, "policy": {**raw["policy"], "temperature": 50.0}, "method": "grpo", "evolve": {"iterations": 1}})
-    assert iteration_stages(qevolve) == ("collect", "relabel", "critic", "advantage", "policy", "rerank", "evaluate")
+    assert iteration_stages(qevolve) == ("collect", "relabel", "critic", "advantage", "policy", "diagnose", "rerank", "evaluate")
     assert iteration_stages(grpo) == ("online", "evaluate")
     monkeypatch.chdir(tmp_path)
     metrics = {f"{stage}@{k}": run_stage(stage, qevolve, k) for stage, k in pipeline(qevolve, 1)}

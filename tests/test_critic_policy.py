@@ -101,3 +101,73 @@ def test_one_pass_critic_values_equal_one_pass_per_step(tiny_base):
     fast, slow = critic_values(critic, items, tok.pad_token_id, 4), per_step_values(critic, items, tok.pad_token_id, 4)
     assert max_difference(fast, slow) < 1e-4
     assert max_difference(fast, {t: {s: (v + 1, q) for s, (v, q) in steps.items()} for t, steps in slow.items()}) > 0.5
+
+
+OBJECTS = ("book", "pen", "key", "mug", "apple", "bowl", "cd", "box")
+
+
+def varied(i: int, desk: bool, won: bool) -> Trajectory:
+    """An episode that looks for one of eight objects at the desk or in a cabinet; `won` is set apart from what
+    it did, so a test can give outcomes that follow the episode's content or none of it."""
+    thing = OBJECTS[i % len(OBJECTS)]
+    t = Trajectory(f"v{i}", f"task{i}", "pick", "train", "policy@0", f"put some {thing} on sidetable.", won=won)
+    actions = ["go to desk 1", f"take {thing} 1 from desk 1"] if desk else ["open cabinet 1"] * (2 + i % 3)
+    seen = f"On the desk 1, you see a {thing} 1." if desk else "Nothing happens."
+    obs = f"You are in the middle of a room. You see a cabinet 1, a desk 1 and a {OBJECTS[(i + 3) % 8]} 2."
+    for step, a in enumerate(actions):
+        last = step == len(actions) - 1
+        t.steps.append(StepRecord(step, obs, f"Action: {a}", a, seen, float(won and last), won and last, won and last, True))
+        obs = seen
+    return t
+
+
+def diagnosed(tmp_path, tiny_base, signal: bool, moved: bool) -> dict:
+    """`diagnose@1` of a critic trained on 32 episodes, on 32 held-out ones whose outcome is where they searched
+    (`signal`) or a coin flip, the same rule in both sets; the new policy's adapter moved from the previous or not."""
+    import json
+    import random
+
+    from qevolve.config import parse_params
+    from qevolve.data.store import write_store
+    from qevolve.methods.qevolve.diagnose import diagnose
+    from qevolve.models.prompt import PROMPT_FILE
+
+    rng = random.Random(0)
+    episodes = []
+    for i in range(64):
+        desk = i % 2 == 0
+        episodes.append(varied(i, desk, won=desk if signal else rng.random() < 0.5))
+    train_set, heldout = episodes[:32], episodes[32:]
+    torch.manual_seed(0)
+    lm, tok = load_policy(tiny_base, MODEL, trainable=True)
+    prompt = json.dumps({"one_shot": "", "repeat_task": False})
+    for name in ("previous", "new"):
+        if name == "new" and moved:
+            with torch.no_grad():
+                for n, p in lm.named_parameters():
+                    if "lora_B" in n:
+                        p.add_(0.05 * torch.randn_like(p))
+        lm.save_pretrained(tmp_path / name)
+        (tmp_path / name / PROMPT_FILE).write_text(prompt)
+    critic = Critic(load_policy(tiny_base, MODEL)[0])
+    items = critic_items(PromptBuilder(tok, 512), train_set, weighted=False)
+    cfg = CriticConfig(epochs=20, lr=3e-3, batch_size=8, micro_batch_size=8, warmup_ratio=0.0, gamma=0.9)
+    train(critic, items, cfg, lambda it: len(it.window.ids), lambda mb: critic_step(critic, mb, cfg.gamma, cfg.expectile, tok.pad_token_id),
+          "test", after_step=lambda: critic.update_target(cfg.target_rate))
+    critic.save(tmp_path / "critic")
+    (tmp_path / "critic" / PROMPT_FILE).write_text(prompt)
+    write_store(tmp_path / "heldout", heldout)
+    params = parse_params({"model": {"lora": {"r": 8, "alpha": 16}, "context_tokens": 512}, "critic": {"micro_batch_size": 8},
+                           "policy": {"micro_batch_size": 8}})
+    return diagnose(params, tiny_base, tmp_path / "previous", tmp_path / "new", tmp_path / "critic", tmp_path / "heldout",
+                    tmp_path / "diagnose@1.json")
+
+
+def test_the_diagnosis_warns_of_a_critic_without_contrast_and_an_update_that_did_nothing(tmp_path, tiny_base):
+    blind = diagnosed(tmp_path / "blind", tiny_base, signal=False, moved=False)
+    assert blind["no_contrast"] == 1 and blind["critic_auc_low"] <= 0.5 <= blind["critic_auc_high"], blind
+    assert blind["no_op"] == 1 and blind["kl_previous_new"] == pytest.approx(0.0, abs=1e-6)
+    assert [w.split(":")[0] for w in blind["warnings"]] == ["the critic carries no contrast", "the update is a no-op"]
+    seeing = diagnosed(tmp_path / "seeing", tiny_base, signal=True, moved=True)
+    assert seeing["no_contrast"] == 0 and seeing["critic_auc_low"] > 0.5 and seeing["heldout_won"] == 16, seeing
+    assert seeing["kl_previous_new"] > 1e-4 and seeing["kl_tokens"] > 0 and seeing["warnings"] == []

@@ -1,6 +1,7 @@
 """The flow, dvc.yaml and MLflow agree; one end-to-end run of the flow on a tiny subset."""
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from conftest import REPO
@@ -206,9 +208,9 @@ def test_flow_end_to_end_resumes_after_kill_and_leaves_dvc_clean(tmp_path, alfwo
     # 2. Re-run to the end: only what the kill interrupted, and after it.
     out = _finish(_flow(ws))
     assert "policy: resuming from the checkpoint at step" in out
-    assert _stages_run(out) == "stages run: policy@1, evaluate@1"
+    assert _stages_run(out) == "stages run: policy@1, diagnose@1, evaluate@1"
     assert "iter 1" in out and "valid_seen" in out
-    assert "mlflow ui" in out and "dvc dag" in out and "prefect server start" in out
+    assert "mlflow ui" in out and "runs?workflowType=machine_learning" in out and "dvc dag" in out and "prefect server start" in out
     status = subprocess.run([DVC, "status"], cwd=ws, capture_output=True, text=True, check=True).stdout
     assert "up to date" in status, status
 
@@ -232,6 +234,9 @@ def test_flow_end_to_end_resumes_after_kill_and_leaves_dvc_clean(tmp_path, alfwo
     listing = mlflow.artifacts.load_text(f"{parent.info.artifact_uri}/environment/packages.txt").splitlines()
     assert listing[0].startswith("python==3.") and any(p.startswith("torch==") for p in listing)
     assert parent.data.tags["qevolve.packages_sha256"] == hashlib.sha256("\n".join(listing).encode()).hexdigest()
+    here = json.loads(mlflow.artifacts.load_text(f"{parent.info.artifact_uri}/environment/machine.json"))
+    assert here["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and here["cpus"] >= 1 and here["gpus"] == []
+    assert parent.data.tags["qevolve.machine"].startswith(f"{here['cpu_model']}, {here['cpu_capability']} kernels, ")
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert sorted(r.info.status for r in children) == ["FINISHED", "KILLED", "KILLED"]
     child = next(r for r in children if r.info.status == "FINISHED")
@@ -267,7 +272,6 @@ TIMES = ("seconds", "tokens_per_s", "compute_s", "wall_s", "overhead")
 
 def _results(ws) -> dict:
     """Every stage's metrics, without wall-clock measurements."""
-    import json
 
     def strip(d):
         if isinstance(d, list):

@@ -23,7 +23,8 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert results["parity"]["ok"] and results["parity"]["float32"]["max_abs_logp_diff"] < 1e-3
     stages = results["pipeline"]["stages"]
-    assert list(stages) == ["experts", "base", "bc", "evaluate@0", "collect@1", "relabel@1", "critic@1", "advantage@1", "policy@1", "evaluate@1"]
+    assert list(stages) == ["experts", "base", "bc", "evaluate@0", "collect@1", "relabel@1", "critic@1", "advantage@1", "policy@1", "diagnose@1",
+                            "evaluate@1"]
     assert all(s["device"] == "cpu" for name, s in stages.items() if name in ("bc", "critic@1", "policy@1", "evaluate@1"))
     assert results["hub_kernels"]["ok"] and results["training"]["train_tokens_s"] > 0
     assert results["scoring"]["engine_candidates_s"] > 0 and results["vllm"] == {"skipped": "vllm is not installed"}

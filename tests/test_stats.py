@@ -2,7 +2,7 @@
 
 import pytest
 
-from qevolve.algos.stats import clustered, paired_bootstrap, percent_interval, wilson
+from qevolve.algos.stats import auc, clustered, paired_bootstrap, percent_interval, wilson
 
 
 def test_the_wilson_interval_by_hand():
@@ -66,3 +66,19 @@ def test_only_tasks_both_rows_played_by_the_same_seeds_are_paired():
 def test_intervals_print_in_percent():
     assert percent_interval(0.28, 0.219, 0.351) == "28.0 [21.9, 35.1]"
     assert percent_interval(0.043, -0.021, 0.108, signed=True) == "+4.3 [-2.1, +10.8]"
+
+
+def test_the_auc_and_its_interval_by_hand():
+    # Pairs (won, lost): 0.9 > 0.1, 0.9 > 0.85, 0.8 > 0.1, 0.8 < 0.85: 3 of 4. Hanley-McNeil: Q1 = 0.75 / 1.25 = 0.6,
+    # Q2 = 2·0.5625 / 1.75 = 0.642857; var = (0.1875 + 0.0375 + 0.080357) / 4 = 0.076339, s.e. 0.276295
+    got = auc([0.9, 0.8], [0.1, 0.85])
+    assert got["auc"] == 0.75 and (got["low"], got["high"]) == pytest.approx((0.75 - 1.959964 * 0.276295, 1.0), abs=1e-5)
+    assert got["contrast"] is False, "two against two cannot tell a ranking from chance"
+    assert auc([1.0], [1.0])["auc"] == 0.5, "a tie counts half"
+    # 30 against 30, every won above every lost: AUC 1, Q1 = Q2 = 1, variance 0
+    assert auc([0.6 + i / 100 for i in range(30)], [0.2 + i / 100 for i in range(30)]) == {
+        "auc": 1.0, "low": 1.0, "high": 1.0, "positives": 30, "negatives": 30, "contrast": True}
+    # Interleaved, won on the odd hundredths and lost on the even: the won 2j + 1 is above j + 1 lost, Σ = 465 of 900
+    assert auc([i / 100 for i in range(1, 60, 2)], [i / 100 for i in range(0, 60, 2)])["auc"] == pytest.approx(465 / 900)
+    assert auc([i / 100 for i in range(1, 60, 2)], [i / 100 for i in range(0, 60, 2)])["contrast"] is False
+    assert auc([0.5], [])["auc"] is None and auc([0.5], [])["contrast"] is None

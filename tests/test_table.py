@@ -23,6 +23,7 @@ def test_smoke_table_runs_every_row_and_reuses_shared_stages(tmp_path):
     spec = yaml.safe_load((REPO / "benchmarks" / "table-smoke.yaml").read_text())
     results = json.loads((out / "results.json").read_text())
     assert [r["row"] for r in results["rows"]] == [r["name"] for r in spec["rows"]]
+    assert results["machine"]["cpus"] >= 1 and results["machine"]["cpu_capability"], "the machine the table computed on"
     for r in results["rows"]:
         assert len(r["seeds"]) == 1 and 0 <= r["seeds"][0]["valid_unseen/success_rate"] <= 1
     assert all(sum(t["episodes"] for t in r["seeds"][0]["valid_seen/tasks"].values()) == r["seeds"][0]["valid_seen/episodes"]

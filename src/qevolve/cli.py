@@ -13,7 +13,6 @@ from qevolve.config import load_params
 from qevolve.errors import UserError, debugging, report
 from qevolve.lock import under_torchrun, workspace_lock
 from qevolve.stages import run_stage
-from qevolve.summary import summary_table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +72,8 @@ def _command(args) -> int:
         return 0
     params = load_params(args.params)
     if args.command == "summary":
+        from qevolve.summary import summary_table  # here: a stage's `qevolve run` never prints it, so it is no stage's dep
+
         print(summary_table(list(range(params.evolve.iterations + 1))))
         return 0
     if args.command == "dvc-yaml":

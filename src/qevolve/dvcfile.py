@@ -98,6 +98,8 @@ def _entry(stage: Stage, params: Params, iterations: list[int]) -> dict:
         "outs": [ref(a, p) for a, p in stage.writes(k).items()] + ([{str(paths.details(name)): {"cache": False}}] if stage.details else []),
         "metrics": [{str(paths.metrics(name)): {"cache": False}}],
     }
+    if not body["outs"]:  # a stage that only reports (`diagnose@k`)
+        del body["outs"]
     if stage.curve:
         x, y, *template = stage.curve
         body["plots"] = [{str(paths.curve(name)): {"x": x, "y": y, **({"template": template[0]} if template else {}), "cache": False}}]

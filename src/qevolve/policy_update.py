@@ -12,7 +12,7 @@ import torch
 from qevolve.algos.rl import clip_fraction, policy_loss
 from qevolve.config import Params
 from qevolve.data.store import Trajectory
-from qevolve.models.base import target_logprobs
+from qevolve.models.base import next_token_logprobs, target_logprobs
 from qevolve.models.device import model_device
 from qevolve.models.prompt import Window
 from qevolve.training import is_sharded, local_share
@@ -96,3 +96,22 @@ def policy_step(model, micro: list[list[PolicyItem]], params: Params, pad_id: in
         sums["clip_fraction"] += float(clip_fraction(logp_new.detach(), logp_b, cfg.clip_low, cfg.clip_high)) * share
         sums["ratio"] += float(torch.exp(logp_new.detach() - logp_b).mean()) * share
     return sums
+
+
+@torch.no_grad()
+def policy_kl(old, new, windows: list, pad_id: int, batch_size: int) -> tuple[float, int]:
+    """KL(old ‖ new) between two policies' next-token distributions, exact over the vocabulary, at the action tokens
+    of `windows` (teacher-forced on the tokens they hold): (the mean per action token, the tokens)."""
+    old.eval()
+    new.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(windows), batch_size):
+        ids, attn = pad_ids([w.ids for w in windows[i : i + batch_size]], pad_id, model_device(old))
+        mask = torch.zeros_like(ids)
+        for b, w in enumerate(windows[i : i + batch_size]):
+            mask[b, : len(w.mask)] = torch.tensor(w.mask)
+        p = next_token_logprobs(old, ids, mask, attention_mask=attn)
+        q = next_token_logprobs(new, ids.to(model_device(new)), mask.to(model_device(new)), attention_mask=attn.to(model_device(new))).to(p.device)
+        total += float((p.exp() * (p - q)).sum())
+        count += len(p)
+    return total / max(count, 1), count

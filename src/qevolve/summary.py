@@ -43,4 +43,26 @@ def summary_table(iterations: list[int]) -> str:
             else:  # one critic per level (STEP-HRL)
                 rows.append(f"critic@{k}: " + ", ".join(f"{level} mean V {c[f'{level}_v_mean']:.3f}, A {c[f'{level}_advantage_mean']:+.3f}"
                                                         for level in ("high", "low", "progress") if f"{level}_v_mean" in c))
+        rows += diagnosis(k)
     return "\n".join(rows)
+
+
+def diagnosis(k: int) -> list[str]:
+    """Iteration k's RL diagnostics (`diagnose@k`, with its advantages' and update's own), and their warnings."""
+    path = paths.metrics(f"diagnose@{k}")
+    if not k or not path.exists():
+        return []
+    d = json.loads(path.read_text())
+    read = lambda stage: json.loads(p.read_text()) if (p := paths.metrics(f"{stage}@{k}")).exists() else {}  # noqa: E731
+    critic, adv, policy = read("critic"), read("advantage"), read("policy")
+
+    def num(x, spec: str = ".2f") -> str:
+        return "n/a" if x is None else format(x, spec)
+
+    held = (f"{num(d['critic_auc'])} [{num(d['critic_auc_low'])}, {num(d['critic_auc_high'])}] on {d['heldout_episodes']} held-out "
+            f"episodes ({d['heldout_won']} won; by step {num(d['critic_auc_steps'])})")
+    line = (f"diagnose@{k}: critic AUC won vs lost {held}, {num(critic.get('auc_train'))} on its training data; advantages raw std "
+            f"{num(adv.get('raw_std'), '.3f')}, {num(adv.get('moving_share'), '.0%')} of steps moving, AUC {num(adv.get('auc_won_lost'))}; "
+            f"update weight off 1 on {num(policy.get('weight_off_one_share'), '.0%')} of tokens; KL(previous ‖ new) "
+            f"{d['kl_previous_new']:.1e} nats per token")
+    return [line, *(f"  WARNING: {w}" for w in d["warnings"])]

@@ -95,6 +95,14 @@ def awr_loss(logp_new: torch.Tensor, advantages: torch.Tensor, beta: float, max_
     return -(weights.detach() * logp_new).mean()
 
 
+def update_weights(advantages: torch.Tensor, algo: str, awr_beta: float, awr_max_weight: float) -> torch.Tensor:
+    """Each step's weight on its log-likelihood's gradient at ratio 1, where behaviour cloning's is 1: BPPO's
+    advantage (its clipped surrogate's gradient there is A·∇log π), AWR's min(exp(A/β), max_weight)."""
+    if algo == "awr":
+        return torch.exp(advantages / awr_beta).clamp(max=awr_max_weight)
+    return advantages
+
+
 def policy_loss(
     logp_new: torch.Tensor, logp_behavior: torch.Tensor, advantages: torch.Tensor, token_logp_new: torch.Tensor,
     token_logp_ref: torch.Tensor, *, algo: str, clip_low: float, clip_high: float, kl_coef: float, awr_beta: float,

@@ -7,6 +7,7 @@ evaluates the same tasks under several seeds, and its rows on the same tasks.
   (Miller 2024, "Adding Error Bars to Evals", eq. 4). One episode per task: the plain Wilson interval.
 - `paired_bootstrap`: the difference of two rows' rates on the (task, seed) pairs both played, with a percentile
   interval from a two-level bootstrap: tasks drawn with replacement, then within each drawn task its seeds.
+- `auc`: how well a score ranks won above lost (a critic's values), with Hanley and McNeil's interval.
 """
 
 from __future__ import annotations
@@ -62,6 +63,22 @@ def paired_bootstrap(a: dict[str, dict[int, float]], b: dict[str, dict[int, floa
     means = diff[pick_tasks[..., None], pick_seeds].mean(axis=(1, 2))
     lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
     return {"difference": float(diff.mean()), "low": float(lo), "high": float(hi), "tasks": len(tasks), "seeds": seeds}
+
+
+def auc(positive: list[float], negative: list[float], z: float = Z95) -> dict:
+    """The area under the ROC curve of a score separating `positive` from `negative` (the Mann-Whitney
+    statistic: the chance that a positive scores above a negative, ties counting half), with Hanley and McNeil's
+    (1982) standard error and its 95 % interval, clipped to [0, 1]. `contrast`: whether the interval leaves
+    out 0.5 (chance). None where a class is empty."""
+    n1, n2 = len(positive), len(negative)
+    if not n1 or not n2:
+        return {"auc": None, "low": None, "high": None, "positives": n1, "negatives": n2, "contrast": None}
+    pos, neg = np.asarray(positive, dtype=float)[:, None], np.asarray(negative, dtype=float)[None, :]
+    a = float(((pos > neg) + 0.5 * (pos == neg)).mean())
+    q1, q2 = a / (2 - a), 2 * a * a / (1 + a)
+    se = math.sqrt(max(0.0, a * (1 - a) + (n1 - 1) * (q1 - a * a) + (n2 - 1) * (q2 - a * a)) / (n1 * n2))
+    lo, hi = max(0.0, a - z * se), min(1.0, a + z * se)
+    return {"auc": a, "low": lo, "high": hi, "positives": n1, "negatives": n2, "contrast": not lo <= 0.5 <= hi}
 
 
 def percent_interval(rate: float, low: float, high: float, signed: bool = False) -> str:

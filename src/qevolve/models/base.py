@@ -253,3 +253,12 @@ def target_logprobs(model, ids: torch.Tensor, mask: torch.Tensor | None = None, 
     at = want.nonzero(as_tuple=True)
     logp = head_logprobs(hidden[at], lm.get_output_embeddings(), ids[:, 1:][at])
     return torch.zeros(want.shape, dtype=logp.dtype, device=logp.device).index_put(at, logp)
+
+
+def next_token_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, **inputs) -> torch.Tensor:
+    """log p(· | ids[b, : t + 1]) over the whole vocabulary, float32 (N, vocabulary): one row per position whose next
+    token `mask` (B, T) marks, in row-major order. The head runs at those positions only."""
+    lm = causal_lm(model)
+    hidden = lm.base_model(input_ids=ids, use_cache=False, **inputs).last_hidden_state[:, :-1]
+    at = (mask[:, 1:] != 0).nonzero(as_tuple=True)
+    return torch.log_softmax(lm.get_output_embeddings()(hidden[at]).float(), dim=-1)

@@ -68,13 +68,15 @@ def describe(device: torch.device) -> str:
 
 def placement(model: torch.nn.Module) -> dict:
     """What a stage's metrics record of where it computed: device, weights' dtype, processes, whether
-    the model was sharded across them (and on a GPU the peak memory this process allocated there)."""
+    the model was sharded across them, torch's threads and CPU kernels (`AVX512`, `AVX2`: they fix the float
+    order), and on a GPU the peak memory this process allocated there."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
     p = next(model.parameters())
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    out = {"device": describe(p.device), "dtype": str(p.dtype).removeprefix("torch."), "processes": world, "sharded": isinstance(model, FSDPModule)}
+    out = {"device": describe(p.device), "dtype": str(p.dtype).removeprefix("torch."), "processes": world, "sharded": isinstance(model, FSDPModule),
+           "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     if p.device.type == "cuda":
         out["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated(p.device) / 2**30
     return out

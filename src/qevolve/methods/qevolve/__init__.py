@@ -1,7 +1,8 @@
 """Q-Evolve (arXiv 2606.07367), Algorithm 1: in each iteration k the previous policy collects its own
 episodes, which are mixed with the expert demonstrations and relabeled with auxiliary rewards; a
 weighted IQL critic is trained on that hybrid data, GAE over its values gives per-step advantages, and
-BPPO with a KL anchor updates the policy. With `rerank.best_of`, the iteration's critic also reranks the
+BPPO with a KL anchor updates the policy; `diagnose@k` then checks, on held-out episodes, that the critic
+ranks won above lost and that the update moved the policy. With `rerank.best_of`, the iteration's critic also reranks the
 policy's candidate actions at test time (`rerank@k`, Best-of-N)."""
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ def _iteration(params, recipe: Recipe) -> tuple[Stage, ...]:
                          "advantage_dir": paths.advantages(k)},
               lambda k: {"out": paths.policy(k)}, (*MODEL_PARAMS, *BUILDER_PARAMS, "policy"), curve=("step", "loss"), trainer=True,
               logged=TRAINED_POLICY),
+        Stage("diagnose", f"{HERE}.diagnose",
+              lambda k: {"base_dir": paths.BASE, "previous_dir": paths.policy(k - 1), "policy_dir": paths.policy(k), "critic_dir": paths.critic(k),
+                         "heldout_dir": paths.evaluation(k - 1)},
+              lambda k: {}, (*MODEL_PARAMS, *BUILDER_PARAMS, "critic.micro_batch_size", "policy.micro_batch_size")),
     )
     if not params.rerank.best_of:
         return stages

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import torch
 
 from qevolve.algos.rl import gae_advantages
+from qevolve.algos.stats import auc
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.advantages import ADVANTAGES_FILE, SCHEMA
@@ -20,6 +21,11 @@ from qevolve.data.store import read_store
 from qevolve.models.critic import critic_items, critic_values, load_critic
 from qevolve.models.device import placement
 from qevolve.models.prompt import make_builder
+
+
+MOVING = 0.05
+"""A raw advantage (in reward units: a won episode's reward is 1) this far from 0 moves its step's probability;
+`moving_share` counts the steps that reach it."""
 
 
 def histogram(values: list[float], bins: int = 20) -> list[dict]:
@@ -64,13 +70,19 @@ def advantage(params: Params, base_dir: Path, critic_dir: Path, data_dir: Path, 
     with atomic_dir(out) as tmp:
         pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp / ADVANTAGES_FILE)
     by_source: dict[str, list[float]] = {}
+    by_episode: dict[str, list[float]] = {}
     for r in rows:
         by_source.setdefault("expert" if r["source"] == "expert" else "self", []).append(r["raw_advantage"])
+        by_episode.setdefault(r["trajectory_id"], []).append(r["raw_advantage"])
+    won = {t.trajectory_id: t.won for t in trajs}
+    ranked = auc(*([sum(a) / len(a) for tid, a in by_episode.items() if won[tid] == w] for w in (True, False)))
     metrics = {
         "steps": len(rows),
         "raw_mean": mean,
         "raw_std": std,
         "positive_share": float((raw > 0).float().mean()),
+        "moving_share": float((raw.abs() >= MOVING).float().mean()),
+        "auc_won_lost": ranked["auc"],
         **{f"raw_mean_{k}": sum(v) / len(v) for k, v in by_source.items()},
         **placement(model),
     }

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from qevolve.algos.rl import iql_losses
+from qevolve.algos.stats import auc
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir
 from qevolve.data.store import Trajectory, read_store
@@ -105,18 +106,21 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, out
 
 
 def value_stats(trajs: list[Trajectory], values: dict[int, dict[int, tuple[float, float]]]) -> dict:
-    """Mean V over the steps of won and of lost trajectories, and overall V and Q statistics."""
+    """Mean V over the steps of won and of lost trajectories, overall V and Q statistics, and how well an
+    episode's mean V ranks won above lost on the data the critic trained on (`auc_train`; held out: `diagnose@k`)."""
     def mean(xs: list[float]) -> float:
         return sum(xs) / len(xs) if xs else float("nan")
 
-    v_won, v_lost, qs = [], [], []
+    v_won, v_lost, qs, episodes = [], [], [], {True: [], False: []}
     for i, t in enumerate(trajs):
-        for step in range(len(t.steps)):
-            v, q = values.get(i, {}).get(step, (float("nan"), float("nan")))
-            (v_won if t.won else v_lost).append(v)
-            qs.append(q)
+        vs = [values.get(i, {}).get(step, (float("nan"), float("nan"))) for step in range(len(t.steps))]
+        (v_won if t.won else v_lost).extend(v for v, _ in vs)
+        qs.extend(q for _, q in vs)
+        if vs:
+            episodes[t.won].append(mean([v for v, _ in vs]))
     vs = v_won + v_lost
     return {
+        "auc_train": auc(episodes[True], episodes[False])["auc"],
         "v_mean": mean(vs),
         "v_std": float(torch.tensor(vs).std()) if len(vs) > 1 else 0.0,
         "v_mean_won": mean(v_won),

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from qevolve.algos.rl import update_weights
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir
 from qevolve.data.advantages import read_advantages
@@ -65,5 +66,17 @@ def policy(
         "ratio": last_epoch_mean(curve, "ratio"),
         "windows": len(items),
         "steps": sum(len(it.spans) for it in items),
+        **weight_stats(items, cfg),
     }
     return save_and_report(save, metrics, model, curve, elapsed, params.train, out, metrics_path, curve_path)
+
+
+def weight_stats(items: list, cfg) -> dict:
+    """How far the update is from behaviour cloning: the share of action tokens whose step's weight
+    (`update_weights`) is more than 0.1 from BC's 1, and the mean weight per token."""
+    weights = torch.cat([update_weights(it.advantages, cfg.algo, cfg.awr_beta, cfg.awr_max_weight) for it in items])
+    tokens = torch.tensor([b - a for it in items for a, b in it.spans], dtype=torch.float)
+    if not len(tokens):
+        return {}
+    return {"weight_off_one_share": float(tokens[(weights - 1).abs() > 0.1].sum() / tokens.sum()),
+            "weight_mean": float((weights * tokens).sum() / tokens.sum())}

@@ -1,0 +1,80 @@
+"""`diagnose@k`: did iteration k's RL phase have anything to learn from, and did it move the policy?
+
+On the episodes the previous policy played in `evaluate@{k-1}` (evaluation tasks, which no critic or policy
+update trains on):
+- the critic's contrast: the AUC of its values for won against lost episodes (an episode's mean V over its
+  states, with Hanley and McNeil's 95 % interval) and steps (V at each state, labelled with its episode's
+  outcome; steps of one episode are not independent, so no interval);
+- how far the update moved the policy: KL(previous ‖ new) per action token, exact over the vocabulary,
+  teacher-forced on those episodes' states and actions.
+It warns when the critic carries no contrast (the episode AUC's interval holds 0.5, or no held-out episode
+was won, or none lost) or the update is a no-op (KL under `NO_OP_KL`). The advantages' spread (`advantage@k`:
+`raw_std`, `moving_share`, `auc_won_lost`) and the update's weights (`policy@k`: `weight_off_one_share`) are
+their own stages' metrics; the summary table prints them on one line with these.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qevolve.algos.stats import auc
+from qevolve.config import Params
+from qevolve.data.atomic import write_json
+from qevolve.data.store import read_store
+from qevolve.models.critic import critic_items, critic_values, load_critic
+from qevolve.models.policy import load_policy
+from qevolve.models.prompt import make_builder
+from qevolve.policy_update import policy_kl
+
+NO_OP_KL = 1e-4
+"""Nats per action token: an update that moved the policy less than this on held-out states did nothing."""
+
+
+def diagnose(params: Params, base_dir: Path, previous_dir: Path, policy_dir: Path, critic_dir: Path, heldout_dir: Path,
+             metrics_path: Path) -> dict:
+    torch.manual_seed(0)
+    trajs = [t for t in read_store(heldout_dir) if t.steps]
+    critic, tok = load_critic(base_dir, params.model, critic_dir)
+    values = critic_values(critic, critic_items(make_builder(params, tok, critic_dir), trajs, weighted=False), tok.pad_token_id,
+                           params.critic.micro_batch_size)
+    del critic
+    episodes: dict[bool, list[float]] = {True: [], False: []}
+    steps: dict[bool, list[float]] = {True: [], False: []}
+    for i, t in enumerate(trajs):
+        vs = [values[i][s][0] for s in range(len(t.steps))]
+        episodes[t.won].append(sum(vs) / len(vs))
+        steps[t.won] += vs
+    by_episode, by_step = auc(episodes[True], episodes[False]), auc(steps[True], steps[False])
+
+    previous, tok = load_policy(base_dir, params.model, adapter=previous_dir)
+    new, _ = load_policy(base_dir, params.model, adapter=policy_dir)
+    builder = make_builder(params, tok, previous_dir)
+    windows = [w for t in trajs for w in builder.windows(t.instruction, [s.observation for s in t.steps], [s.output for s in t.steps])]
+    kl, tokens = policy_kl(previous, new, windows, tok.pad_token_id, params.policy.micro_batch_size)
+
+    metrics = {
+        "heldout_episodes": len(trajs), "heldout_won": len(episodes[True]),
+        "critic_auc": by_episode["auc"], "critic_auc_low": by_episode["low"], "critic_auc_high": by_episode["high"],
+        "critic_auc_steps": by_step["auc"],
+        "kl_previous_new": kl, "kl_tokens": tokens,
+        "no_contrast": int(not by_episode["contrast"]), "no_op": int(kl < NO_OP_KL),
+        "warnings": warnings(by_episode, kl, len(trajs)),
+    }
+    write_json(metrics_path, metrics)
+    return metrics
+
+
+def warnings(by_episode: dict, kl: float, episodes: int) -> list[str]:
+    """What a reader must know before trusting the iteration's RL phase to have done anything."""
+    out = []
+    if by_episode["auc"] is None:
+        which = "won" if not by_episode["positives"] else "lost"
+        out.append(f"no held-out episode was {which} (of {episodes}): the critic's contrast cannot be measured")
+    elif not by_episode["contrast"]:
+        out.append(f"the critic carries no contrast: its AUC for won against lost held-out episodes is {by_episode['auc']:.2f} "
+                   f"[{by_episode['low']:.2f}, {by_episode['high']:.2f}], which holds chance (0.5)")
+    if kl < NO_OP_KL:
+        out.append(f"the update is a no-op: KL(previous ‖ new) is {kl:.1e} nats per action token on held-out states (< {NO_OP_KL:g})")
+    return out
