@@ -155,13 +155,14 @@ def test_length_normalised_logprob_and_the_repos_actor_loss_match_hand_computed_
     assert torch.isclose(advantage_pg_loss(logp, adv), torch.tensor(-(0.5 * -1.0 + -1.0 * -2.0) / 2))  # = -0.75
 
 
-def test_mix_keeps_one_expert_transition_per_two_collected():
+def test_mix_keeps_every_expert_transition_and_at_most_two_collected_per_expert():
     expert, collected = [{"e": i} for i in range(10)], [{"c": i} for i in range(8)]
     mixed = mix(expert, collected, 2.0, seed=0)
-    assert sum("e" in r for r in mixed) == 4 and sum("c" in r for r in mixed) == 8
+    assert sum("e" in r for r in mixed) == 10 and sum("c" in r for r in mixed) == 8, "a short collection does not cut the experts"
     mixed = mix(expert, [{"c": i} for i in range(50)], 2.0, seed=0)
     assert sum("e" in r for r in mixed) == 10 and sum("c" in r for r in mixed) == 20
-    assert len(mix(expert, collected, 0.0, seed=0)) == 18
+    assert len({r["c"] for r in mixed if "c" in r}) == 20, "drawn without replacement"
+    assert len(mix(expert, collected, 0.0, seed=0)) == 18 and len(mix([], collected, 2.0, seed=0)) == 8
 
 
 def test_separate_adapters_train_each_role_on_its_own_outputs_and_round_trip(tmp_path, monkeypatch):

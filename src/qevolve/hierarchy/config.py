@@ -59,8 +59,8 @@ class HierarchyConfig(Section):
     """The low and progress levels' reward is -rejected_penalty at a step whose action the environment
     rejected (and +1 at a subtask's last step)."""
     collected_per_expert: float = Field(2.0, ge=0)
-    """Collected transitions per expert transition in the offline-RL data; the larger set is subsampled,
-    per level. 0 = every transition of both."""
+    """At most this many collected transitions per expert one in the offline-RL data, per level: collected ones
+    beyond it are subsampled, experts never (reach the ratio by collecting more). 0 = every transition of both."""
     critic: LevelCriticConfig = LevelCriticConfig()
 
     @property

@@ -122,15 +122,12 @@ def agent_of(params, model, tok, separate: bool, roles: dict, temperature: float
 
 
 def mix(expert: list[dict], collected: list[dict], collected_per_expert: float, seed: int) -> list[dict]:
-    """Expert and collected transitions at `collected_per_expert` collected per expert one (0: all of both):
-    the set with more than its share is subsampled, without replacement, with `seed`."""
-    if not collected_per_expert or not expert or not collected:
-        return expert + collected
-    rng = random.Random(seed)
-    if len(collected) > collected_per_expert * len(expert):
-        collected = rng.sample(collected, round(collected_per_expert * len(expert)))
-    else:
-        expert = rng.sample(expert, max(1, round(len(collected) / collected_per_expert)))
+    """Every expert transition, and the collected ones subsampled (without replacement, with `seed`) to at most
+    `collected_per_expert` per expert one (0: all of both). The experts are never cut to fit the ratio: the
+    paper's 1 : 2 is reached by collecting enough (`collect`), and a shorter collection trains on fewer
+    collected transitions, not on fewer demonstrations (the critic's metrics give the share reached)."""
+    if collected_per_expert and expert and len(collected) > collected_per_expert * len(expert):
+        collected = random.Random(seed).sample(collected, round(collected_per_expert * len(expert)))
     return expert + collected
 
 

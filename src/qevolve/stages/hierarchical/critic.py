@@ -89,6 +89,7 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, col
         "first_loss": curve[0]["loss"],
         "expectile": tau,
         **{f"{role}_transitions": len(sets[role]) for role in sets},
+        **{f"{role}_expert_share": sum(r["source"] == "expert" for r in sets[role]) / max(len(sets[role]), 1) for role in sets},
         **{f"{role}_advantage_mean": _mean([r["advantage"] for r in rows if r["level"] == role]) for role in sets},
         **{f"{role}_v_mean": _mean([r["v"] for r in rows if r["level"] == role]) for role in sets},
     }
