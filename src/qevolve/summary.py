@@ -41,8 +41,11 @@ def summary_table(iterations: list[int]) -> str:
                 rows.append(f"critic@{k}: mean V on won episodes {c['v_mean_won']:.3f}, on lost {c['v_mean_lost']:.3f} "
                             f"(separation {c['v_mean_won'] - c['v_mean_lost']:+.3f}; V's std {c['v_std']:.3f})")
             else:  # one critic per level (STEP-HRL)
-                rows.append(f"critic@{k}: " + ", ".join(f"{level} mean V {c[f'{level}_v_mean']:.3f}, A {c[f'{level}_advantage_mean']:+.3f}"
-                                                        for level in ("high", "low", "progress") if f"{level}_v_mean" in c))
+                rows.append(f"critic@{k}: " + "; ".join(
+                    f"{level} mean V {c[f'{level}_v_mean']:.3f}, A {c[f'{level}_advantage_mean']:+.3f}"
+                    + (f" (std {c[f'{level}_advantage_std']:.3f}), AUC won vs lost in training {_num(c[f'{level}_auc_train'])}"
+                       if f"{level}_auc_train" in c else "")
+                    for level in ("high", "low", "progress") if f"{level}_v_mean" in c))
         rows += diagnosis(k)
     return "\n".join(rows)
 
@@ -56,13 +59,14 @@ def diagnosis(k: int) -> list[str]:
     read = lambda stage: json.loads(p.read_text()) if (p := paths.metrics(f"{stage}@{k}")).exists() else {}  # noqa: E731
     critic, adv, policy = read("critic"), read("advantage"), read("policy")
 
-    def num(x, spec: str = ".2f") -> str:
-        return "n/a" if x is None else format(x, spec)
-
-    held = (f"{num(d['critic_auc'])} [{num(d['critic_auc_low'])}, {num(d['critic_auc_high'])}] on {d['heldout_episodes']} held-out "
-            f"episodes ({d['heldout_won']} won; by step {num(d['critic_auc_steps'])})")
-    line = (f"diagnose@{k}: critic AUC won vs lost {held}, {num(critic.get('auc_train'))} on its training data; advantages raw std "
-            f"{num(adv.get('raw_std'), '.3f')}, {num(adv.get('moving_share'), '.0%')} of steps moving, AUC {num(adv.get('auc_won_lost'))}; "
-            f"update weight off 1 on {num(policy.get('weight_off_one_share'), '.0%')} of tokens; KL(previous ‖ new) "
+    held = (f"{_num(d['critic_auc'])} [{_num(d['critic_auc_low'])}, {_num(d['critic_auc_high'])}] on {d['heldout_episodes']} held-out "
+            f"episodes ({d['heldout_won']} won; by step {_num(d['critic_auc_steps'])})")
+    line = (f"diagnose@{k}: critic AUC won vs lost {held}, {_num(critic.get('auc_train'))} on its training data; advantages raw std "
+            f"{_num(adv.get('raw_std'), '.3f')}, {_num(adv.get('moving_share'), '.0%')} of steps moving, AUC {_num(adv.get('auc_won_lost'))}; "
+            f"update weight off 1 on {_num(policy.get('weight_off_one_share'), '.0%')} of tokens; KL(previous ‖ new) "
             f"{d['kl_previous_new']:.1e} nats per token")
     return [line, *(f"  WARNING: {w}" for w in d["warnings"])]
+
+
+def _num(x, spec: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, spec)

@@ -103,6 +103,13 @@ def update_weights(advantages: torch.Tensor, algo: str, awr_beta: float, awr_max
     return advantages
 
 
+def off_one_share(weights: torch.Tensor, tokens: torch.Tensor, tolerance: float = 0.1) -> float:
+    """The share of `tokens` (per step: its action's token count) whose step's weight is more than `tolerance`
+    from behaviour cloning's 1: near 0, the update is behaviour cloning by another name."""
+    tokens = tokens.float()
+    return float(tokens[(weights - 1).abs() > tolerance].sum() / tokens.sum()) if tokens.sum() > 0 else float("nan")
+
+
 def policy_loss(
     logp_new: torch.Tensor, logp_behavior: torch.Tensor, advantages: torch.Tensor, token_logp_new: torch.Tensor,
     token_logp_ref: torch.Tensor, *, algo: str, clip_low: float, clip_high: float, kl_coef: float, awr_beta: float,

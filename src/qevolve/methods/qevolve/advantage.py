@@ -16,16 +16,11 @@ from qevolve.algos.rl import gae_advantages
 from qevolve.algos.stats import auc
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
-from qevolve.data.advantages import ADVANTAGES_FILE, SCHEMA
+from qevolve.data.advantages import ADVANTAGES_FILE, MOVING, SCHEMA
 from qevolve.data.store import read_store
 from qevolve.models.critic import critic_items, critic_values, load_critic
 from qevolve.models.device import placement
 from qevolve.models.prompt import make_builder
-
-
-MOVING = 0.05
-"""A raw advantage (in reward units: a won episode's reward is 1) this far from 0 moves its step's probability;
-`moving_share` counts the steps that reach it."""
 
 
 def histogram(values: list[float], bins: int = 20) -> list[dict]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from qevolve.algos.rl import update_weights
+from qevolve.algos.rl import off_one_share, update_weights
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir
 from qevolve.data.advantages import read_advantages
@@ -78,5 +78,4 @@ def weight_stats(items: list, cfg) -> dict:
     tokens = torch.tensor([b - a for it in items for a, b in it.spans], dtype=torch.float)
     if not len(tokens):
         return {}
-    return {"weight_off_one_share": float(tokens[(weights - 1).abs() > 0.1].sum() / tokens.sum()),
-            "weight_mean": float((weights * tokens).sum() / tokens.sum())}
+    return {"weight_off_one_share": off_one_share(weights, tokens), "weight_mean": float((weights * tokens).sum() / tokens.sum())}

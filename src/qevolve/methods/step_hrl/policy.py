@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from qevolve.algos.losses import sequence_logprobs
-from qevolve.algos.rl import advantage_pg_loss, awr_loss
+from qevolve.algos.rl import advantage_pg_loss, awr_loss, off_one_share
 from qevolve.config import Params
 from qevolve.hierarchy.roles import ROLES, encode
 from qevolve.hierarchy.shared import advantage_of, load_roles_policy, read_advantages, role_builder, role_groups, save_roles_policy, training_sets
@@ -67,6 +67,7 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
         "examples": len(items),
         "weight_mean": float(weights.mean()),
         "weight_clipped": float((weights >= cfg.max_weight).float().mean()),
+        "weight_off_one_share": off_one_share(weights, torch.tensor([r["output_tokens"] for role in ROLES for r in sets[role]])),
         "repo_compat": hrl.repo_compat,
     }
     return save_and_report(lambda: save_roles_policy(model, out, previous_dir), metrics, model, curve, elapsed, params.train, out,

@@ -20,7 +20,9 @@ import pyarrow.parquet as pq
 import torch
 
 from qevolve.algos.rl import iql_losses
+from qevolve.algos.stats import auc
 from qevolve.config import Params
+from qevolve.data.advantages import MOVING
 from qevolve.data.atomic import atomic_dir
 from qevolve.hierarchy.critic import Item, LevelCritic, critic_items, save_critic, values
 from qevolve.hierarchy.config import section
@@ -92,8 +94,24 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, col
         **{f"{role}_expert_share": sum(r["source"] == "expert" for r in sets[role]) / max(len(sets[role]), 1) for role in sets},
         **{f"{role}_advantage_mean": _mean([r["advantage"] for r in rows if r["level"] == role]) for role in sets},
         **{f"{role}_v_mean": _mean([r["v"] for r in rows if r["level"] == role]) for role in sets},
+        **contrast(sets, rows),
     }
     return save_and_report(save, metrics, model, curve, elapsed, params.train, out, metrics_path, curve_path)
+
+
+def contrast(sets: dict[str, list[dict]], rows: list[dict]) -> dict:
+    """Per level, on the transitions it trained on: how well V ranks the transitions of won episodes above those
+    of lost ones (AUC; held-out episodes are not scored yet), the advantages' spread, and the share of
+    transitions whose advantage moves them (|A| >= `MOVING`)."""
+    out = {}
+    for role, trained in sets.items():
+        mine = [r for r in rows if r["level"] == role]
+        won = {(r["trajectory_id"], r["step"]) for r in trained if r["won"]}
+        ranked = auc([r["v"] for r in mine if (r["trajectory_id"], r["step"]) in won], [r["v"] for r in mine if (r["trajectory_id"], r["step"]) not in won])
+        a = torch.tensor([r["advantage"] for r in mine])
+        out |= {f"{role}_auc_train": ranked["auc"], f"{role}_advantage_std": float(a.std()) if len(a) > 1 else 0.0,
+                f"{role}_moving_share": float((a.abs() >= MOVING).float().mean()) if len(a) else float("nan")}
+    return out
 
 
 def _mean(xs: list[float]) -> float:
