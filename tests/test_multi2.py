@@ -90,9 +90,11 @@ def test_multi2_recipe_runs_end_to_end_on_textcraft(tmp_path, monkeypatch):
     raw["multi2"] = {"critic": {"epochs": 1, "batch_size": 4}, "policy": {"epochs": 2, "batch_size": 4, "lr": 1e-3}, "online": ONLINE}
     raw["evolve"] = {"iterations": 2}
     params = parse_params(raw)
-    assert iteration_stages(params, 1) == ("collect", "critic", "policy", "evaluate") and iteration_stages(params, 2) == ("online", "evaluate")
+    assert iteration_stages(params, 1) == ("collect", "critic", "policy", "diagnose", "evaluate")
+    assert iteration_stages(params, 2) == ("online", "diagnose", "evaluate")
     assert [f"{s}@{k}" if k is not None else s for s, k in pipeline(params, 2)] == [
-        "experts", "base", "annotate", "bc", "evaluate@0", "collect@1", "critic@1", "policy@1", "evaluate@1", "online@2", "evaluate@2"]
+        "experts", "base", "annotate", "bc", "evaluate@0", "collect@1", "critic@1", "policy@1", "diagnose@1", "evaluate@1", "online@2",
+        "diagnose@2", "evaluate@2"]
     monkeypatch.chdir(tmp_path)
     metrics = {f"{s}@{k}" if k is not None else s: run_stage(s, params, k) for s, k in pipeline(params, 2)}
     assert metrics["annotate"]["progress_transitions"] == 0 and metrics["annotate"]["low_transitions"] == metrics["experts"]["cumulative_env_steps"]
@@ -356,7 +358,7 @@ def test_dvc_yaml_and_the_flow_agree_on_the_phases(tmp_path):
     subprocess.run([DVC, "init", "--no-scm", "-q"], cwd=tmp_path, check=True)
     (tmp_path / "dvc.yaml").write_text(dvcfile.render(params))
     flow = [f"{s}@{k}" if k is not None else s for s, k in pipeline(params)]
-    assert flow[-5:] == ["evaluate@1", "online@2", "evaluate@2", "online@3", "evaluate@3"]
+    assert flow[-8:] == ["diagnose@1", "evaluate@1", "online@2", "diagnose@2", "evaluate@2", "online@3", "diagnose@3", "evaluate@3"]
     assert sorted(flow) == sorted(_dvc_stages(tmp_path))
     online = dvcfile.spec(params)["stages"]["online"]
     assert online["foreach"]["2"]["seed_dir"] == "data/annotate" and online["foreach"]["3"]["seed_dir"] == "data/online@2"
@@ -437,7 +439,7 @@ def test_repo_compat_trains_system_2_and_its_critic_in_one_loop_then_online(tmp_
     params = parse_params(raw)
     with pytest.raises(ConfigError, match=r"multi2.rl_roles: repo_compat reproduces the public code, which trains System 2 only"):
         parse_params({**raw, "evolve": {"iterations": 1}, "multi2": {"repo_compat": True, "rl_roles": ["high", "low"]}})
-    assert iteration_stages(params, 1) == ("collect", "policy", "evaluate"), "the joint loop replaces critic@1"
+    assert iteration_stages(params, 1) == ("collect", "policy", "diagnose", "evaluate"), "the joint loop replaces critic@1"
     policy_deps = dvcfile.spec(params)["stages"]["policy"]["foreach"]["1"]
     assert "critic_dir" not in policy_deps and policy_deps["critic_out"] == "models/critic@1"
     monkeypatch.chdir(tmp_path)

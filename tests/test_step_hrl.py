@@ -213,7 +213,7 @@ def test_step_hrl_recipe_runs_end_to_end_on_textcraft(tmp_path, monkeypatch, ada
     raw["step_hrl"] = {"critic": {"epochs": 1, "batch_size": 4}, "policy": {"epochs": 1, "batch_size": 4, "lr": 1e-3}, "progress_tokens": 8,
                        "adapters": adapters}
     params = parse_params(raw)
-    assert iteration_stages(params) == ("collect", "critic", "policy", "evaluate")
+    assert iteration_stages(params) == ("collect", "critic", "policy", "diagnose", "evaluate")
     assert [s for s, _ in pipeline(params, 1)][:5] == ["experts", "base", "annotate", "bc", "evaluate"]
     monkeypatch.chdir(tmp_path)
     metrics = {f"{s}@{k}" if k is not None else s: run_stage(s, params, k) for s, k in pipeline(params, 1)}
@@ -221,6 +221,8 @@ def test_step_hrl_recipe_runs_end_to_end_on_textcraft(tmp_path, monkeypatch, ada
     assert metrics["bc"]["loss"] < metrics["bc"]["first_loss"]
     assert metrics["collect@1"]["low_transitions"] == metrics["collect@1"]["env_steps"] and metrics["collect@1"]["high_transitions"] >= 4
     assert metrics["critic@1"]["q_loss"] > 0 and metrics["policy@1"]["logp"] > metrics["policy@1"]["first_logp"]
+    held = metrics["diagnose@1"]  # each level's critic scored on evaluate@0's episodes, which it never trained on
+    assert {f"{lv}_critic_auc" for lv in ("high", "low", "progress")} <= set(held) and held["low_heldout_episodes"] == metrics["evaluate@0"]["test"]["episodes"]
     names = ("high", "low", "progress") if adapters == "separate" else ()
     assert all((tmp_path / paths.BC / name / "adapter_model.safetensors").exists() for name in names)
     bc = load_policy(paths.BASE, params.model, adapter=paths.BC, trainable=True, names=names)[0].state_dict()

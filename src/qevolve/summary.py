@@ -59,6 +59,12 @@ def diagnosis(k: int) -> list[str]:
     read = lambda stage: json.loads(p.read_text()) if (p := paths.metrics(f"{stage}@{k}")).exists() else {}  # noqa: E731
     critic, adv, policy = read("critic"), read("advantage"), read("policy")
 
+    if "critic_auc" not in d:  # one critic per level (the hierarchies)
+        levels = [key.removesuffix("_critic_auc") for key in d if key.endswith("_critic_auc")]
+        scored = [f"diagnose@{k}: critic AUC won vs lost on held-out episodes, " + "; ".join(
+            f"{lv} {_num(d[f'{lv}_critic_auc'])} [{_num(d[f'{lv}_critic_auc_low'])}, {_num(d[f'{lv}_critic_auc_high'])}] "
+            f"({d[f'{lv}_heldout_won']} won of {d[f'{lv}_heldout_episodes']}; by step {_num(d[f'{lv}_critic_auc_steps'])})" for lv in levels)]
+        return [*(scored if levels else [f"diagnose@{k}:"]), *(f"  WARNING: {w}" for w in d["warnings"])]
     held = (f"{_num(d['critic_auc'])} [{_num(d['critic_auc_low'])}, {_num(d['critic_auc_high'])}] on {d['heldout_episodes']} held-out "
             f"episodes ({d['heldout_won']} won; by step {_num(d['critic_auc_steps'])})")
     line = (f"diagnose@{k}: critic AUC won vs lost {held}, {_num(critic.get('auc_train'))} on its training data; advantages raw std "

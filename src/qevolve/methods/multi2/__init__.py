@@ -19,7 +19,8 @@ from pathlib import Path
 from qevolve import paths
 from qevolve.methods.multi2.config import SECTIONS  # its sections: their defaults are a dep of every stage of the method
 from qevolve.recipe import ACTING_PARAMS, BUILDER_PARAMS, MODEL_PARAMS, ONLINE_LOGGED, TRAINED_POLICY, Recipe, Stage
-from qevolve.stages.hierarchical import ANNOTATED, EVALUATE, acting_params, hierarchical_setup, hierarchical_stages, offline_data_params
+from qevolve.stages.hierarchical import (ANNOTATED, EVALUATE, acting_params, hierarchical_setup, hierarchical_stages, offline_data_params,
+                                         reward_params)
 
 STAGES = hierarchical_stages("multi2")
 OFFLINE = (lambda k: k == 1)
@@ -61,10 +62,11 @@ def _iteration(params, recipe: Recipe) -> tuple[Stage, ...]:
               lambda k: {"out": paths.policy(k), "critic_out": paths.critic(k), "buffer_out": buffer(k)},
               (*ACTING_PARAMS, *acting_params("multi2"), "policy.temperature", "multi2.critic", "multi2.online", "multi2.repo_compat"), curve=("round", "success_rate"),
               takes_iteration=True, at=lambda k: k >= 2, logged=ONLINE_LOGGED),
+        STAGES["diagnose"],
     )
 
 
 RECIPE = Recipe("multi2", _iteration, plays=lambda k: "collect" if k == 1 else "online", setup=hierarchical_setup(STAGES),
-                evaluate_module=EVALUATE, evaluate_params=acting_params("multi2"),
+                evaluate_module=EVALUATE, evaluate_params=(*acting_params("multi2"), *reward_params("multi2")),
                 seed_keys={"multi2.critic.seed": 1, "multi2.policy.seed": 1, "multi2.online.seed": 100}, smoke={"evolve": {"iterations": 2}})
 __all__ = ["RECIPE", "SECTIONS"]

@@ -27,10 +27,7 @@ from qevolve.models.critic import critic_items, critic_values, load_critic
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import make_builder
 from qevolve.policy_update import policy_kl
-
-NO_OP_KL = 1e-4
-"""Nats per action token: an update that moved the policy less than this on held-out states did nothing."""
-
+from qevolve.stages.diagnosis import NO_OP_KL, contrast_warning, no_op_warning
 
 def diagnose(params: Params, base_dir: Path, previous_dir: Path, policy_dir: Path, critic_dir: Path, heldout_dir: Path,
              metrics_path: Path) -> dict:
@@ -60,21 +57,7 @@ def diagnose(params: Params, base_dir: Path, previous_dir: Path, policy_dir: Pat
         "critic_auc_steps": by_step["auc"],
         "kl_previous_new": kl, "kl_tokens": tokens,
         "no_contrast": int(not by_episode["contrast"]), "no_op": int(kl < NO_OP_KL),
-        "warnings": warnings(by_episode, kl, len(trajs)),
+        "warnings": [w for w in (contrast_warning(by_episode, len(trajs)), no_op_warning(kl)) if w],
     }
     write_json(metrics_path, metrics)
     return metrics
-
-
-def warnings(by_episode: dict, kl: float, episodes: int) -> list[str]:
-    """What a reader must know before trusting the iteration's RL phase to have done anything."""
-    out = []
-    if by_episode["auc"] is None:
-        which = "won" if not by_episode["positives"] else "lost"
-        out.append(f"no held-out episode was {which} (of {episodes}): the critic's contrast cannot be measured")
-    elif not by_episode["contrast"]:
-        out.append(f"the critic carries no contrast: its AUC for won against lost held-out episodes is {by_episode['auc']:.2f} "
-                   f"[{by_episode['low']:.2f}, {by_episode['high']:.2f}], which holds chance (0.5)")
-    if kl < NO_OP_KL:
-        out.append(f"the update is a no-op: KL(previous ‖ new) is {kl:.1e} nats per action token on held-out states (< {NO_OP_KL:g})")
-    return out

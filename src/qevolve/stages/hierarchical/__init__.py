@@ -1,6 +1,7 @@
 """The stages every hierarchical method shares (STEP-HRL, Multi²): `annotate` cuts the expert trajectories
 into subtasks and progress, `bc` clones the roles, `collect@k` plays the hierarchical policy, `critic@k`
-trains a critic per level and writes each transition's advantage, `evaluate` plays it greedily. Each reads
+trains a critic per level and writes each transition's advantage, `diagnose@k` scores those critics on
+held-out episodes, `evaluate` plays it greedily. Each reads
 the section named after the running method (`qevolve.hierarchy.config.section`); `hierarchical_stages(name)`
 gives their recipe entries for section `name`."""
 
@@ -28,10 +29,16 @@ def offline_data_params(name: str) -> tuple[str, ...]:
     return (f"{name}.collected_per_expert", f"{name}.critic.seed")
 
 
+def reward_params(name: str, compat: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """What makes an episode's transitions (their rewards), for `collect@k` and `evaluate`; `compat`, the keys
+    behind the section's `compat_rejections`."""
+    return (f"{name}.rejected_penalty", *compat)
+
+
 def hierarchical_stages(name: str, compat: tuple[str, ...] = ()) -> dict[str, Stage]:
-    """annotate, bc, collect, critic (iteration k) reading section `name`; `compat`, the keys behind the
-    section's `compat_rejections` and `compat_critic`."""
-    rewards = (f"{name}.rejected_penalty", *compat)
+    """annotate, bc, collect, critic, diagnose (iteration k) reading section `name`; `compat`, the keys behind
+    the section's `compat_rejections` and `compat_critic`."""
+    rewards = reward_params(name, compat)
     return {
         "annotate": Stage("annotate", f"{HERE}.annotate", lambda k: {"experts_dir": paths.EXPERTS, "base_dir": paths.BASE},
                           lambda k: {"out": ANNOTATED},
@@ -45,6 +52,9 @@ def hierarchical_stages(name: str, compat: tuple[str, ...] = ()) -> dict[str, St
                                     "previous_metrics": paths.metrics("experts" if k == 1 else f"collect@{k - 1}")},
                          lambda k: {"out": paths.collected(k)},
                          (*ACTING_PARAMS, *acting_params(name), "policy.temperature", "collect", *rewards), takes_iteration=True),
+        "diagnose": Stage("diagnose", f"{HERE}.diagnose",
+                          lambda k: {"base_dir": paths.BASE, "critic_dir": paths.critic(k), "heldout_dir": paths.evaluation(k - 1)},
+                          lambda k: {}, (*MODEL_PARAMS, *BUILDER_PARAMS)),
         "critic": Stage("critic", f"{HERE}.critic",
                         lambda k: {"base_dir": paths.BASE, "policy_dir": paths.policy(k - 1), "data_dir": ANNOTATED,
                                    "collected_dir": paths.collected(k)},

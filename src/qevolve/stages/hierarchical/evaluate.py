@@ -1,5 +1,7 @@
 """`evaluate` (hierarchical methods): greedy hierarchical episodes of a policy on the evaluation splits, with the
-tokens each role read and wrote per episode, subtasks per episode and how subtasks ended."""
+tokens each role read and wrote per episode, subtasks per episode and how subtasks ended; beside the episodes,
+the three transition sets their decisions make (as `collect@k` keeps them), which `diagnose@{k+1}` scores the
+next critic on."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ import torch
 from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import read_store
-from qevolve.hierarchy.roles import ROLES, parse_low
-from qevolve.hierarchy.shared import make_agent
+from qevolve.hierarchy.config import section
+from qevolve.hierarchy.roles import ROLES, parse_low, transitions
+from qevolve.hierarchy.shared import COLLECTED, make_agent
+from qevolve.hierarchy.transitions import write_transitions
 from qevolve.rollout import play_splits
 
 
@@ -20,7 +24,14 @@ def evaluate(params: Params, base_dir: Path, policy_dir: Path, out: Path, metric
     torch.manual_seed(params.evaluate.seed)
     agent = make_agent(params, base_dir, policy_dir, temperature=1.0)
     metrics = play_splits(params, agent, out, metrics_path, f"policy@{iteration}", env_steps_path)
-    for split, trajs in _by_split(read_store(out)).items():
+    played = read_store(out)
+    hrl, sets = section(params), {role: [] for role in ROLES}
+    for t in played:
+        if t.steps:
+            for role, rows in transitions(t, agent.labels[t.trajectory_id], agent.prompts, hrl.compat_rejections, hrl.rejected_penalty).items():
+                sets[role] += rows
+    write_transitions(out / COLLECTED, sets, lambda text: len(agent.tok.encode(text, add_special_tokens=False)))
+    for split, trajs in _by_split(played).items():
         n = max(len(trajs), 1)
         tokens = [agent.role_tokens[t.trajectory_id] for t in trajs]
         calls = [agent.role_calls[t.trajectory_id] for t in trajs]

@@ -1,0 +1,62 @@
+"""`diagnose@k` (hierarchical methods): does each level's critic of iteration k rank won above lost on
+episodes it never trained on? The held-out data are the transitions of the episodes the previous policy played
+greedily in `evaluate@{k-1}` (evaluation tasks); per level with a critic (the heads `critic@k` wrote), the AUC
+of an episode's mean V(s) over its transitions at that level for won against lost episodes, with Hanley and
+McNeil's 95 % interval, and of each transition's V (`_steps`, no interval: transitions of one episode are not
+independent). V is read at the state prompt's end, the paper's reading; a `repo_compat` critic (heads on a
+policy's frozen features) is not scored. A level whose interval holds 0.5 is warned of. (How far the update moved the role policies is not measured
+here yet; Q-Evolve's `diagnose@k` measures it for a flat policy.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from qevolve.algos.stats import auc
+from qevolve.config import Params
+from qevolve.data.atomic import write_json
+from qevolve.hierarchy.critic import critic_items, load_critic, values
+from qevolve.hierarchy.shared import COLLECTED, role_builder
+from qevolve.hierarchy.transitions import read_transitions
+from qevolve.models.base import load_tokenizer
+from qevolve.stages.diagnosis import contrast_warning
+
+BATCH = 8
+
+
+def diagnose(params: Params, base_dir: Path, critic_dir: Path, heldout_dir: Path, metrics_path: Path) -> dict:
+    with safe_open(str(Path(critic_dir) / "heads.safetensors"), "pt") as heads:
+        levels = tuple(sorted({k.split(".")[1] for k in heads.keys() if k.startswith("v.")}))
+    if not (Path(critic_dir) / "adapter_config.json").exists():  # `repo_compat`: heads on a policy's frozen features
+        metrics = {"warnings": [f"{critic_dir}: a repo_compat critic (heads on a policy's features, no adapter of its own) is not scored"]}
+        write_json(metrics_path, metrics)
+        return metrics
+    critic = load_critic(params, base_dir, critic_dir, levels)
+    tok = load_tokenizer(base_dir)
+    sets = {role: rows for role, rows in read_transitions(Path(heldout_dir) / COLLECTED).items() if role in levels}
+    items = critic_items(role_builder(params, tok), sets)
+    v: dict[tuple, float] = {}
+    with torch.no_grad():
+        for i in range(0, len(items), BATCH):
+            mb = items[i : i + BATCH]
+            v |= {it.key: float(x) for it, x in zip(mb, values(critic, mb, tok.pad_token_id)["v"])}
+    metrics: dict = {"warnings": []}
+    for level, rows in sets.items():
+        episodes: dict[str, list[float]] = {}
+        won = {r["trajectory_id"]: r["won"] for r in rows}
+        for r in rows:
+            episodes.setdefault(r["trajectory_id"], []).append(v[(r["trajectory_id"], level, r["step"])])
+        means = {tid: sum(vs) / len(vs) for tid, vs in episodes.items()}
+        ranked = auc([m for tid, m in means.items() if won[tid]], [m for tid, m in means.items() if not won[tid]])
+        by_step = auc([v[(r["trajectory_id"], level, r["step"])] for r in rows if r["won"]],
+                      [v[(r["trajectory_id"], level, r["step"])] for r in rows if not r["won"]])
+        metrics |= {f"{level}_heldout_episodes": len(means), f"{level}_heldout_won": sum(won.values()),
+                    f"{level}_critic_auc": ranked["auc"], f"{level}_critic_auc_low": ranked["low"], f"{level}_critic_auc_high": ranked["high"],
+                    f"{level}_critic_auc_steps": by_step["auc"], f"{level}_no_contrast": int(not ranked["contrast"])}
+        warning = contrast_warning(ranked, len(means), f"the {level} level's critic")
+        metrics["warnings"] += [warning] if warning else []
+    write_json(metrics_path, metrics)
+    return metrics
