@@ -171,3 +171,16 @@ def test_the_diagnosis_warns_of_a_critic_without_contrast_and_an_update_that_did
     seeing = diagnosed(tmp_path / "seeing", tiny_base, signal=True, moved=True)
     assert seeing["no_contrast"] == 0 and seeing["critic_auc_low"] > 0.5 and seeing["heldout_won"] == 16, seeing
     assert seeing["kl_previous_new"] > 1e-4 and seeing["kl_tokens"] > 0 and seeing["warnings"] == []
+
+
+def test_a_critic_that_ranks_lost_above_won_or_sees_no_outcome_is_warned_of():
+    from qevolve.algos.stats import auc
+    from qevolve.stages.diagnosis import contrast_warning, useless
+
+    low, high = [0.1 + i / 100 for i in range(20)], [0.6 + i / 100 for i in range(20)]
+    inverted, right = auc(low, high), auc(high, low)
+    assert useless(inverted) == 1 and contrast_warning(inverted, 40) == (
+        "the critic ranks lost above won: its AUC for won against lost held-out episodes is 0.00 [0.00, 0.00], below chance (0.5)")
+    assert useless(right) == 0 and contrast_warning(right, 40) is None
+    assert contrast_warning(auc([], [0.2]), 1) == "no held-out episode was won (of 1): the critic's contrast cannot be measured"
+    assert useless(auc([], [0.2])) == 1

@@ -27,7 +27,7 @@ from qevolve.models.critic import critic_items, critic_values, load_critic
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import make_builder
 from qevolve.policy_update import policy_kl
-from qevolve.stages.diagnosis import NO_OP_KL, contrast_warning, no_op_warning
+from qevolve.stages.diagnosis import NO_OP_KL, contrast_warning, no_op_warning, useless
 
 def diagnose(params: Params, base_dir: Path, previous_dir: Path, policy_dir: Path, critic_dir: Path, heldout_dir: Path,
              metrics_path: Path) -> dict:
@@ -56,7 +56,7 @@ def diagnose(params: Params, base_dir: Path, previous_dir: Path, policy_dir: Pat
         "critic_auc": by_episode["auc"], "critic_auc_low": by_episode["low"], "critic_auc_high": by_episode["high"],
         "critic_auc_steps": by_step["auc"],
         "kl_previous_new": kl, "kl_tokens": tokens,
-        "no_contrast": int(not by_episode["contrast"]), "no_op": int(kl < NO_OP_KL),
+        "no_contrast": useless(by_episode), "no_op": int(kl < NO_OP_KL),
         "warnings": [w for w in (contrast_warning(by_episode, len(trajs)), no_op_warning(kl)) if w],
     }
     write_json(metrics_path, metrics)

@@ -22,7 +22,7 @@ from qevolve.hierarchy.critic import critic_items, load_critic, values
 from qevolve.hierarchy.shared import COLLECTED, role_builder
 from qevolve.hierarchy.transitions import read_transitions
 from qevolve.models.base import load_tokenizer
-from qevolve.stages.diagnosis import contrast_warning
+from qevolve.stages.diagnosis import contrast_warning, useless
 
 BATCH = 8
 
@@ -55,7 +55,7 @@ def diagnose(params: Params, base_dir: Path, critic_dir: Path, heldout_dir: Path
                       [v[(r["trajectory_id"], level, r["step"])] for r in rows if not r["won"]])
         metrics |= {f"{level}_heldout_episodes": len(means), f"{level}_heldout_won": sum(won.values()),
                     f"{level}_critic_auc": ranked["auc"], f"{level}_critic_auc_low": ranked["low"], f"{level}_critic_auc_high": ranked["high"],
-                    f"{level}_critic_auc_steps": by_step["auc"], f"{level}_no_contrast": int(not ranked["contrast"])}
+                    f"{level}_critic_auc_steps": by_step["auc"], f"{level}_no_contrast": useless(ranked)}
         warning = contrast_warning(ranked, len(means), f"the {level} level's critic")
         metrics["warnings"] += [warning] if warning else []
     write_json(metrics_path, metrics)
