@@ -50,7 +50,7 @@ def test_flow_and_dvc_yaml_describe_the_same_stages(tmp_path):
         (tmp_path / "dvc.yaml").write_text(dvcfile.render(p))
         flow = [stage_name(s, k) for s, k in pipeline(p)]
         assert sorted(flow) == sorted(_dvc_stages(tmp_path)) == sorted(dvcfile.stage_names(p))
-        assert len(flow) == 4 + 6 * n
+        assert len(flow) == 4 + 7 * n
 
 
 def _method_params() -> dict:
