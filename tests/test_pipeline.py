@@ -415,7 +415,7 @@ def test_a_hierarchical_method_is_its_package_too(tmp_path):
     assert not any("methods/step_hrl" in d for stage in deps.values() for d in stage)
     assert {"src/qevolve/methods/hrl_copy/__init__.py", "src/qevolve/methods/hrl_copy/policy.py"} <= set(deps["policy"])
     assert eval(order) == [("experts", None), ("base", None), ("annotate", None), ("bc", None), ("evaluate", 0),
-                           *[(s, k) for k in (1, 2) for s in ("collect", "critic", "policy", "evaluate")]]
+                           *[(s, k) for k in (1, 2) for s in ("collect", "critic", "policy", "diagnose", "evaluate")]]
 
 
 def test_each_method_iterates_in_a_sub_flow_of_its_own_name_described_by_its_algorithm():
@@ -438,6 +438,7 @@ def test_every_source_file_is_a_code_dep_of_some_methods_dvc_yaml():
     deps = {d for p in params for s in dvcfile.spec(p)["stages"].values() for d in s.get("do", s)["deps"]}
     files = {f"src/qevolve/{f.relative_to(dvcfile.PACKAGE).as_posix()}" for f in dvcfile.PACKAGE.rglob("*.py") if f.stat().st_size}
     # command-line tools no stage runs: a synthetic WebShop catalogue for tests; `qevolve terminal-import`, which
-    # writes task folders that are then an env.data_dir (a DVC-tracked input like any other data)
-    unused = {"src/qevolve/envs/webshop_data.py", "src/qevolve/envs/terminal_import.py"}
+    # writes task folders that are then an env.data_dir (a DVC-tracked input like any other data); `qevolve summary`,
+    # which prints what the stages wrote
+    unused = {"src/qevolve/envs/webshop_data.py", "src/qevolve/envs/terminal_import.py", "src/qevolve/summary.py"}
     assert files - deps - unused == set(), sorted(files - deps - unused)

@@ -700,8 +700,10 @@ def test_the_verification_miniature_spec_shares_its_rollouts_and_reports_test_an
     assert every["validator-50"]["terminaltraj"]["filter"]["keep"] == "validator"
     shared = {name: (p["env"], p["terminaltraj"]["generate"], p["terminaltraj"]["teacher"]) for name, p in every.items()}
     assert len({repr(v) for v in shared.values()}) == 1 and judge["generate"]["per_family"] == 20, "one set of rollouts, from the run cache"
-    seeds = [{"test/success_rate": 0.5, "test/avg_reward": 0.5, "test_ood/success_rate": 0.0, "test_ood/avg_reward": 0.25,
-              "own_env_steps": 0, "generated_tokens": 10, "test/tokens_per_episode": 300.0}]
-    head, _, line = markdown([{"row": "BC, 50 kept by the judge", "seeds": seeds}], None, spec.splits()).splitlines()
-    assert head.startswith("| # | row | seeds | test success % | test reward | test_ood success % | test_ood reward |") and "tokens per test episode" in head
-    assert line.startswith("| 1 | BC, 50 kept by the judge | 1 | 50.0 | 0.500 | 0.0 | 0.250 | 0 | 10 | 300 |")
+    seeds = [{"test/success_rate": 0.5, "test/avg_reward": 0.5, "test/episodes": 12, "test_ood/success_rate": 0.0, "test_ood/avg_reward": 0.25,
+              "test_ood/episodes": 20, "own_env_steps": 0, "generated_tokens": 10, "test/tokens_per_episode": 300.0}]
+    head, _, line = markdown([{"row": "BC, 50 kept by the judge", "seeds": seeds}], None, spec.splits()).splitlines()[:3]
+    assert head.startswith("| # | row | seeds | test success % | Δ test | test reward | test_ood success % | Δ test_ood | test_ood reward | env fail |")
+    assert "tokens per test episode" in head
+    # Wilson: 6 of 12 is [25.4, 74.6], 0 of 20 is [0, 16.1]; a table of one row compares it with none
+    assert line.startswith("| 1 | BC, 50 kept by the judge | 1 | 50.0 [25.4, 74.6] (6/12) |  | 0.500 | 0.0 [0.0, 16.1] (0/20) |  | 0.250 | 0 | 0 | 10 | 300 |")
