@@ -286,7 +286,7 @@ def _results(ws) -> dict:
 @pytest.mark.slow
 def test_kills_during_every_stage_kind_resume_to_the_same_results(tmp_path, alfworld_data):
     """SIGKILL in each stage kind of an iteration: collect@1, critic@1 and policy@1 mid-training, and
-    evaluate@1. Rollout stages restart, training stages resume from their checkpoint; the finished
+    evaluate@1 (after diagnose@1). Rollout stages restart, training stages resume from their checkpoint; the finished
     evolution's metrics (curves included) equal those of an uninterrupted one exactly."""
     # rollout stages long enough (10-20 s) that a kill 3 s after the previous stage lands inside them
     longer = {"collect": {**TINY["collect"], "num_tasks": 6}, "evaluate": {**TINY["evaluate"], "splits": {"valid_seen": 6, "valid_unseen": 4}}}
@@ -296,7 +296,7 @@ def test_kills_during_every_stage_kind_resume_to_the_same_results(tmp_path, alfw
     _kill_after(ws, "collect@1", "data/evaluate@0")
     _kill_mid_training(ws, "critic@1")
     assert "critic: resuming from the checkpoint" in _kill_mid_training(ws, "policy@1")
-    _kill_after(ws, "evaluate@1", "models/policy@1")
+    _kill_after(ws, "evaluate@1", "metrics/diagnose@1.json")
     out = _finish(_flow(ws))
     assert _stages_run(out) == "stages run: evaluate@1"
     assert _results(ws) == _results(clean)
