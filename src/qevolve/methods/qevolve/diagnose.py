@@ -8,7 +8,8 @@ update trains on):
 - how far the update moved the policy: KL(previous ‖ new) per action token, exact over the vocabulary,
   teacher-forced on those episodes' states and actions.
 It warns when the critic carries no contrast (the episode AUC's interval holds 0.5, or no held-out episode
-was won, or none lost) or the update is a no-op (KL under `NO_OP_KL`). The advantages' spread (`advantage@k`:
+was won, or none lost) or ranks lost above won (the interval below 0.5), or the update is a no-op (KL under
+`NO_OP_KL`): `qevolve.stages.diagnosis`. The advantages' spread (`advantage@k`:
 `raw_std`, `moving_share`, `auc_won_lost`) and the update's weights (`policy@k`: `weight_off_one_share`) are
 their own stages' metrics; the summary table prints them on one line with these.
 """
@@ -28,6 +29,7 @@ from qevolve.models.policy import load_policy
 from qevolve.models.prompt import make_builder
 from qevolve.policy_update import policy_kl
 from qevolve.stages.diagnosis import NO_OP_KL, contrast_warning, no_op_warning, useless
+
 
 def diagnose(params: Params, base_dir: Path, previous_dir: Path, policy_dir: Path, critic_dir: Path, heldout_dir: Path,
              metrics_path: Path) -> dict:

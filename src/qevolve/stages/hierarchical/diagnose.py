@@ -4,8 +4,9 @@ greedily in `evaluate@{k-1}` (evaluation tasks); per level with a critic (the he
 of an episode's mean V(s) over its transitions at that level for won against lost episodes, with Hanley and
 McNeil's 95 % interval, and of each transition's V (`_steps`, no interval: transitions of one episode are not
 independent). V is read at the state prompt's end, the paper's reading; a `repo_compat` critic (heads on a
-policy's frozen features) is not scored. A level whose interval holds 0.5 is warned of. (How far the update moved the role policies is not measured
-here yet; Q-Evolve's `diagnose@k` measures it for a flat policy.)
+policy's frozen features) is not scored. A level whose interval holds 0.5, or lies below it, is warned of.
+(How far the update moved the role policies is not measured here yet; Q-Evolve's `diagnose@k` measures it
+for a flat policy.)
 """
 
 from __future__ import annotations
