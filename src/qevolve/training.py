@@ -361,13 +361,14 @@ def compile_layers(model: torch.nn.Module) -> None:
 
 
 def train_speed(model: torch.nn.Module, curve: list[dict], run: TrainRunConfig | None = None) -> dict:
-    """What a trainer's metrics report of its speed: tokens per second of optimiser steps (all processes; tokens
+    """What a trainer's metrics report of its budget and speed: `train_tokens`, the tokens its optimiser steps
+    trained on (what two trainers' budgets are matched by), and tokens per second of them (all processes; tokens
     as the trainer's `length` counts an item, which for Multi²'s joint passes counts a sequence each time it
     is run through), and where the device's peak is known (`train.peak_tflops`, or the GPU's name), the model FLOPs
     utilisation at 4 FLOPs per parameter per token (forward 2, backward through the activations 2: LoRA
     makes no gradient for the frozen weights)."""
-    seconds = sum(c["seconds"] for c in curve)
-    out = {"tokens_per_s": sum(c["tokens"] for c in curve) / seconds if seconds else 0.0}
+    seconds, tokens = sum(c["seconds"] for c in curve), sum(c["tokens"] for c in curve)
+    out = {"train_tokens": tokens, "tokens_per_s": tokens / seconds if seconds else 0.0}
     peak = (run.peak_tflops if run else 0.0) or peak_tflops(model_device(model))
     if peak:
         parameters = sum(p.numel() for p in model.parameters())  # a sharded parameter counts whole
