@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from qevolve.envs import scienceworld, textcraft, webshop
 from qevolve.envs.base import Task, splits_dir
@@ -41,6 +42,27 @@ def test_textcraft_splits_are_fixed_disjoint_and_cover_every_goal():
     assert {t.type for t in train + test} == {"depth2", "depth3", "depth4"}
     with pytest.raises(ValueError, match="unknown TextCraft split 'valid'"):
         textcraft.list_tasks("valid")
+
+
+def test_textcraft_depth_split_is_stratified_and_reached_through_the_config():
+    from collections import Counter
+
+    from qevolve.config import EnvConfig
+    from qevolve.envs import make_env
+
+    def by_depth(tasks):
+        return Counter(t.type for t in tasks)
+
+    hashed = textcraft.list_tasks("test")
+    env = make_env(EnvConfig(name="textcraft", processes=False, textcraft={"split": "depth"}))
+    train, test = env.tasks("train"), env.tasks("test")
+    assert by_depth(hashed) == {"depth2": 48, "depth3": 24, "depth4": 2}
+    # ceil(0.2 * 291), ceil(0.4 * 117), ceil(0.5 * 11) of the goals of each depth
+    assert by_depth(test) == {"depth2": 59, "depth3": 47, "depth4": 6} and len(train) == 307
+    assert not {t.id for t in train} & {t.id for t in test} and len({t.id for t in train + test}) == 419
+    assert test == textcraft.list_tasks("test", "depth")  # fixed: the same on every call
+    with pytest.raises(ValidationError, match="textcraft.split"):
+        EnvConfig(name="textcraft", textcraft={"split": "random"})
 
 
 def test_textcraft_reset_step_rejection_and_success():

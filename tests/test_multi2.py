@@ -100,6 +100,13 @@ def test_multi2_recipe_runs_end_to_end_on_textcraft(tmp_path, monkeypatch):
     assert metrics["annotate"]["progress_transitions"] == 0 and metrics["annotate"]["low_transitions"] == metrics["experts"]["cumulative_env_steps"]
     assert metrics["bc"]["loss"] < metrics["bc"]["first_loss"] and metrics["bc"]["adapters"] == "separate"
     assert metrics["critic@1"]["q_loss"] > 0 and "high_v_mean" not in metrics["critic@1"], "Multi² trains System 2's critic only"
+    # `reward: outcome`: one rewarded step per won episode (every demonstration won) instead of one per subgoal
+    low = read_transitions(tmp_path / "data" / "annotate")["low"] + read_transitions(tmp_path / "data" / "collect@1" / "transitions")["low"]
+    won = {r["trajectory_id"] for r in low if r["won"]}
+    outcome = run_stage("critic", parse_params({**raw, "multi2": {**raw["multi2"], "reward": "outcome"}}), 1)
+    assert metrics["critic@1"]["low_rewarded_share"] == sum(r["reward"] > 0 for r in low) / len(low) > len(won) / len(low)
+    assert outcome["low_rewarded_share"] == len(won) / len(low) and outcome["reward"] == "outcome"
+    run_stage("critic", params, 1)  # the subgoal critic back for the stages after
     p = metrics["policy@1"]
     assert p["logp"] > p["first_logp"] and p["anchored"] != 0 and 0 <= p["sampled_parsed"] <= 1
     names = ("high", "low")
@@ -224,6 +231,32 @@ def test_the_replay_buffer_keeps_what_the_paper_keeps_and_a_corrupt_one_names_it
     pq.write_table(table.drop(["reward"]).replace_schema_metadata(table.schema.metadata), tmp_path / "online@2" / "low.parquet")
     with pytest.raises(SchemaError, match=r"online@2/low.parquet: missing column 'reward'"):
         load_buffer(tmp_path / "online@2", 3, 10)
+
+
+def test_outcome_rewards_mark_only_a_won_episodes_end_and_the_buffer_keeps_its_every_segment():
+    import random
+
+    from qevolve.hierarchy.shared import outcome_rewards, with_rewards
+    from qevolve.methods.multi2.online import push, succeeded
+
+    def row(traj, step, reward, won):
+        return {"trajectory_id": traj, "step": step, "reward": reward, "won": won, "done": reward == 1.0, "subtask_index": step // 2}
+
+    # subgoal rewards as stored: +1 where the policy declared a subtask done, -0.5 at a rejected step
+    won = [row("w", 0, 0.0, True), row("w", 1, 1.0, True), row("w", 2, -0.5, True), row("w", 3, 1.0, True)]
+    lost = [row("l", 1, 1.0, False), row("l", 0, 0.0, False), row("l", 2, 0.0, False)]
+    got = outcome_rewards(won + lost)
+    assert [(r["reward"], r["done"]) for r in got] == [(0.0, False), (0.0, False), (-0.5, False), (1.0, True),
+                                                        (0.0, False), (0.0, False), (0.0, True)]
+    sets = {"high": won, "low": won, "progress": won}
+    assert with_rewards(sets, "subgoal") == sets
+    assert with_rewards(sets, "outcome")["high"] is won and with_rewards(sets, "outcome")["progress"] == got[:4]
+    # under `outcome` the won episode's first segment (return 0) is a success, the lost one's (return 1) is not
+    first_won, first_lost = got[:2], got[4:6]
+    assert succeeded(first_won, True) and not succeeded(first_lost, True)
+    assert not succeeded(first_won) and succeeded(won[:2])
+    buffer: list = []
+    assert push(buffer, [first_won, first_lost], size=10, keep_fail=0.0, rng=random.Random(0), outcome=True) == 1 and buffer == [first_won]
 
 
 def test_the_miniature_spec_validates_and_its_table_counts_successes_by_depth():

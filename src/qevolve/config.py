@@ -92,6 +92,16 @@ class TerminalConfig(Section):
     tmp_mb: int = Field(64, gt=0)
 
 
+class TextCraftConfig(Section):
+    """`env.textcraft`: which goals are test goals (`qevolve.envs.textcraft`)."""
+
+    split: Literal["hash", "depth"] = "hash"
+    """`hash`: a goal is a test goal when its id's SHA-1 is 0 mod 5 (74 test goals: 48 of depth 2, 24 of depth 3,
+    2 of depth 4). `depth`: stratified by recipe depth, the test split takes the first 20 % of the depth-2
+    goals, 40 % of the depth-3 and half of the depth-4 in SHA-1 order (59, 47 and 6: 112 test goals, 307 train),
+    so that success can be read per depth; TextCraft has only 11 depth-4 goals."""
+
+
 class EnvConfig(Section):
     name: Literal[tuple(ENVIRONMENTS)] = "alfworld"  # type: ignore[valid-type]
     """Environment adapter (`qevolve.environments` lists them; `profiles/` holds a ready params file for each)."""
@@ -126,6 +136,7 @@ class EnvConfig(Section):
     goal files; empty = `$WEBSHOP_DATA`; terminal: the folder of `<split>/<task id>/` task folders).
     ALFWorld uses its own `ALFWORLD_DATA`."""
     terminal: TerminalConfig = TerminalConfig()
+    textcraft: TextCraftConfig = TextCraftConfig()
 
     @field_validator("task_types")
     @classmethod

