@@ -115,6 +115,9 @@ def test_multi2_recipe_runs_end_to_end_on_textcraft(tmp_path, monkeypatch):
     updated = load_policy(paths.BASE, params.model, adapter=paths.policy(1), trainable=True, names=names)[0].state_dict()
     changed = {name for name in names if any(not torch.equal(updated[n], bc[n]) for n in bc if f".{name}." in n)}
     assert changed == {"low"}, "policy@1 trains System 2 only; System 1 stays as cloned"
+    for k in (1, 2):  # on evaluate@(k-1)'s calls: System 2 moved, System 1 (the same weights) did not, to the bit
+        held = metrics[f"diagnose@{k}"]
+        assert held["low_kl_previous_new"] > 0 and held["high_kl_previous_new"] == 0.0 and held["high_kl_tokens"] > 0 and held["no_op"] == 0
     # online@2: the buffer starts with the won expert segments and keeps the new ones worth keeping; only System 2 moves
     o = metrics["online@2"]
     assert o["rounds"] >= 1 and o["env_steps"] >= ONLINE["env_steps"] // 2 and o["kl"] >= 0 and o["buffer_segments"] >= metrics["annotate"]["high_transitions"]

@@ -223,6 +223,7 @@ def test_step_hrl_recipe_runs_end_to_end_on_textcraft(tmp_path, monkeypatch, ada
     assert metrics["critic@1"]["q_loss"] > 0 and metrics["policy@1"]["logp"] > metrics["policy@1"]["first_logp"]
     held = metrics["diagnose@1"]  # each level's critic scored on evaluate@0's episodes, which it never trained on
     assert {f"{lv}_critic_auc" for lv in ("high", "low", "progress")} <= set(held) and held["low_heldout_episodes"] == metrics["evaluate@0"]["test"]["episodes"]
+    assert all(held[f"{role}_kl_previous_new"] > 0 and held[f"{role}_kl_tokens"] > 0 for role in ("high", "low", "progress")), "the actor moved every role"
     names = ("high", "low", "progress") if adapters == "separate" else ()
     assert all((tmp_path / paths.BC / name / "adapter_model.safetensors").exists() for name in names)
     bc = load_policy(paths.BASE, params.model, adapter=paths.BC, trainable=True, names=names)[0].state_dict()

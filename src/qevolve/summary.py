@@ -64,7 +64,9 @@ def diagnosis(k: int) -> list[str]:
         scored = [f"diagnose@{k}: critic AUC won vs lost on held-out episodes, " + "; ".join(
             f"{lv} {_num(d[f'{lv}_critic_auc'])} [{_num(d[f'{lv}_critic_auc_low'])}, {_num(d[f'{lv}_critic_auc_high'])}] "
             f"({d[f'{lv}_heldout_won']} won of {d[f'{lv}_heldout_episodes']}; by step {_num(d[f'{lv}_critic_auc_steps'])})" for lv in levels)]
-        return [*(scored if levels else [f"diagnose@{k}:"]), *(f"  WARNING: {w}" for w in d["warnings"])]
+        moved = [f"{key.removesuffix('_kl_previous_new')} {d[key]:.1e}" for key in d if key.endswith("_kl_previous_new")]
+        kl = [f"  KL(previous ‖ new) per output token: {', '.join(moved)}"] if moved else []
+        return [*(scored if levels else [f"diagnose@{k}:"]), *kl, *(f"  WARNING: {w}" for w in d["warnings"])]
     held = (f"{_num(d['critic_auc'])} [{_num(d['critic_auc_low'])}, {_num(d['critic_auc_high'])}] on {d['heldout_episodes']} held-out "
             f"episodes ({d['heldout_won']} won; by step {_num(d['critic_auc_steps'])})")
     line = (f"diagnose@{k}: critic AUC won vs lost {held}, {_num(critic.get('auc_train'))} on its training data; advantages raw std "
