@@ -699,7 +699,7 @@ def test_the_verification_miniature_spec_shares_its_rollouts_and_reports_test_an
     assert judge["filter"] == {"keep": "judge", "n": 100, "seed": 2} and every["judge-100"]["bc"]["seed"] == 2
     assert every["validator-50"]["terminaltraj"]["filter"]["keep"] == "validator"
     shared = {name: (p["env"], p["terminaltraj"]["generate"], p["terminaltraj"]["teacher"]) for name, p in every.items()}
-    assert len({repr(v) for v in shared.values()}) == 1 and judge["generate"]["per_family"] == 20, "one set of rollouts, from the run cache"
+    assert len({repr(v) for v in shared.values()}) == 1 and judge["generate"]["per_family"] == 30, "one set of rollouts, from the run cache"
     seeds = [{"test/success_rate": 0.5, "test/avg_reward": 0.5, "test/episodes": 12, "test_ood/success_rate": 0.0, "test_ood/avg_reward": 0.25,
               "test_ood/episodes": 20, "own_env_steps": 0, "generated_tokens": 10, "test/tokens_per_episode": 300.0}]
     head, _, line = markdown([{"row": "BC, 50 kept by the judge", "seeds": seeds}], None, spec.splits()).splitlines()[:3]
