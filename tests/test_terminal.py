@@ -508,6 +508,59 @@ def test_harbor_and_terminal_bench_tasks_import_when_their_dockerfile_reduces_to
     assert main(["terminal-import", str(tmp_path / "notes"), str(dest), "--split", "x"]) == 2
 
 
+def test_tasks_without_an_oracle_import_validator_only_and_the_gate_checks_what_it_can(tmp_path):
+    import json
+
+    from qevolve.cli import main
+
+    src = tmp_path / "src"
+    for name in ("plain", "free-win", "flaky", "broken"):
+        _task(src, name, split=".")
+        (src / name / "solution" / "solve.sh").unlink()
+        (src / name / "environment" / "setup.sh").unlink()
+        (src / name / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\nRUN printf 'a\\nb\\nc\\n' > data.txt\n")
+    (src / "free-win" / "tests" / "test_count.py").write_text("def test_nothing():\n    assert True\n")
+    # judged apart on two untouched runs: a count kept on the host (the `local` sandbox lets the validators reach it)
+    counter = tmp_path / "runs.txt"
+    (src / "flaky" / "tests" / "test_count.py").write_text(textwrap.dedent(f"""
+        from pathlib import Path
+
+        def test_fails():
+            assert Path("count.txt").exists()
+
+        def test_every_other_run():
+            counter = Path({str(counter)!r})
+            runs = int(counter.read_text()) if counter.exists() else 0
+            counter.write_text(str(runs + 1))
+            assert runs % 2 == 0
+        """))
+    (src / "broken" / "task.toml").write_text('[metadata]\ncategory = "text"\n[verifier]\ntimeout_sec = 1\n')
+    (src / "broken" / "tests" / "test_count.py").write_text("import time\ntime.sleep(30)\n\ndef test_count():\n    pass\n")
+    dest = tmp_path / "tasks"
+    assert main(["terminal-import", str(src), str(dest), "--sandbox", "local"]) == 0
+    report = json.loads((dest / "test" / "import.json").read_text())
+    assert {k: (v["status"], v["oracle"]) for k, v in report.items()} == {
+        "plain": ("imported", False), "free-win": ("rejected_noop_passes", False), "flaky": ("rejected_flaky", False),
+        "broken": ("rejected_validators_broken", False)}
+    assert "whether the task can be solved could not be checked" in report["plain"]["reason"]
+    assert sorted(p.name for p in (dest / "test").iterdir()) == ["import.json", "plain"] and not (dest / "test" / "plain" / "solution").exists()
+
+    # played, and judged by the validators, as any task; an expert is refused before it plays anything
+    env = TerminalEnv(str(dest), TerminalConfig(sandbox="local", command_timeout=5), 5)
+    obs, steps = _play(env, env.tasks("test")[0], ["wc -l < data.txt > count.txt", SUBMIT])
+    assert steps[-1].won and obs.admissible == ["ls -la", SUBMIT]
+    env.close()
+    expert = TerminalEnv(str(dest), TerminalConfig(sandbox="local"), 5, expert="oracle")
+    with pytest.raises(TaskError, match=r"test: 1 of its 1 tasks are validator-only \(no solution/solve.sh: plain\); the expert `oracle`"):
+        expert.tasks("test")
+    with pytest.raises(TaskError, match=r"plain/solution/solve.sh: missing: a validator-only task gives no expert demonstration"):
+        expert.reset(Task("plain", "test", "text"))
+    expert.close()
+    assert main(["terminal-import", str(src), str(tmp_path / "ungated"), "--sandbox", "local", "--no-gate"]) == 0
+    ungated = json.loads((tmp_path / "ungated" / "test" / "import.json").read_text())
+    assert ungated["free-win"] == {"status": "imported", "oracle": False, "reason": "validator-only (no oracle): not gated; it gives no expert demonstration"}
+
+
 @pytest.fixture
 def fake_docker(tmp_path, monkeypatch):
     """`docker` on PATH is tests/fake_docker.py (bubblewrap standing in for containers); its calls are logged."""

@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("dest", type=Path, help="the terminal tasks' folder (env.data_dir); the split must be new")
     imp.add_argument("--split", default="test")
     imp.add_argument("--sandbox", default="bwrap", choices=["bwrap", "local"], help="the sandbox the sanity gate runs in (bwrap, or local: no isolation)")
-    imp.add_argument("--no-gate", action="store_true", help="skip the sanity gate (the oracle passes, a do-nothing agent fails, twice)")
+    imp.add_argument("--no-gate", action="store_true", help="skip the sanity gate (the oracle passes, a do-nothing agent fails, the oracle passes again; "
+                     "without an oracle: a do-nothing agent fails twice the same way)")
     parser.add_argument("--debug", action="store_true", help="show the traceback of a known error (also QEVOLVE_DEBUG=1)")
     args = parser.parse_args(argv)
     try:
@@ -62,7 +63,8 @@ def _command(args) -> int:
         from qevolve.envs.terminal_import import REPORT, import_tasks
 
         counts = import_tasks(args.src, args.dest, args.split, TerminalConfig(sandbox=args.sandbox), gate=not args.no_gate)
-        print(f"{args.dest / args.split}: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) + f" (each task's reason in {REPORT})")
+        print(f"{args.dest / args.split}: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+              + f" (each task's reason and oracle in {REPORT}; a validator-only task gives no expert demonstration)")
         return 0
 
     if args.command == "data":

@@ -8,7 +8,9 @@ A task is a folder in the Harbor / Terminal-Bench 2 layout, under `env.data_dir/
   optional `setup.sh` run there first (it is not left for the agent to read);
 - `tests/`: pytest validators of the end state, which the agent never sees;
 - `solution/solve.sh`: the oracle, one command per line (the expert's steps; a script whose lines do not
-  each parse alone is one step).
+  each parse alone is one step). Optional: a task without one is *validator-only*. It can be played, evaluated,
+  trained on by RL and rolled out by an LLM teacher (the validators decide), but gives no expert demonstration
+  (an expert's split holding one is refused when its tasks are listed) and no scripted teacher.
 
 An episode is a persistent shell in a sandbox (`qevolve.envs.sandbox`, `env.terminal.sandbox`); an action is
 one command, or `submit`. The observation is the command's output and its exit status. The valid actions
@@ -72,6 +74,13 @@ def read_task(folder: Path) -> dict:
     return out
 
 
+ORACLE = Path("solution") / "solve.sh"
+
+
+def has_oracle(folder: Path) -> bool:
+    return (Path(folder) / ORACLE).is_file()
+
+
 def oracle_steps(script: str) -> list[str]:
     """`solve.sh` as steps: its command lines (comments, blank lines and the shebang dropped), or the whole
     script as one step when some line does not parse alone (a heredoc, a multi-line block)."""
@@ -122,7 +131,14 @@ class TerminalEnv:
         folder = self.root / split
         if not folder.is_dir():
             raise ValueError(f"{folder}: no split {split!r} of terminal tasks here (env.data_dir holds <split>/<task id>/ folders)")
-        return [Task(id=d.name, split=split, type=read_task(d)["category"]) for d in sorted(folder.iterdir()) if d.is_dir()]
+        tasks = [Task(id=d.name, split=split, type=read_task(d)["category"]) for d in sorted(folder.iterdir()) if d.is_dir()]
+        if self.expert:
+            without = [t.id for t in tasks if not has_oracle(folder / t.id)]
+            if without:
+                raise TaskError(f"{folder}: {len(without)} of its {len(tasks)} tasks are validator-only (no {ORACLE}: {', '.join(without[:3])}"
+                                f"{', ...' if len(without) > 3 else ''}); the expert `{self.expert}` plays a task's oracle, so its split "
+                                "(`experts.split`) must hold tasks that have one")
+        return tasks
 
     def reset(self, task: Task) -> Observation:
         self.close()
@@ -141,7 +157,9 @@ class TerminalEnv:
             if done.status != 0:
                 raise TaskError(f"{setup}: exited with status {done.status}: {done.output[-300:]!r}")
         self.steps, self.started = 0, time.monotonic()
-        oracle = oracle_steps((self.folder / "solution" / "solve.sh").read_text())
+        oracle = oracle_steps((self.folder / ORACLE).read_text()) if has_oracle(self.folder) else []
+        if self.expert and not oracle:
+            raise TaskError(f"{self.folder / ORACLE}: missing: a validator-only task gives no expert demonstration")
         self.plan = oracle + [SUBMIT] if self.expert else []
         self.candidates = candidates(self.folder, oracle)
         listing = self.session.run("ls -la", cfg.command_timeout).output

@@ -12,9 +12,12 @@ Anything else (a package manager, a download, a program the host lacks, a multi-
 `WORKDIR` other than /app, a docker-compose file with services) marks the task `needs_docker`, with the
 Dockerfile's line. The validators are the task's pytest files (`tests/test_*.py`), run as the terminal
 environment runs them; Harbor's `tests/test.sh`, which installs pytest from the network, is not run. A
-task without pytest files or without an oracle (`solution/solve.sh`, TB1's `solution.sh`) is `unsupported`.
-Imported tasks then go through the sanity gate (the oracle passes, a do-nothing agent fails, the oracle
-passes again) unless asked not to. `DEST/<split>/import.json` lists every task with its status and reason.
+task without pytest files is `unsupported`. A task without an oracle (`solution/solve.sh`, TB1's `solution.sh`)
+is imported validator-only (`oracle: false` in the report): it can be evaluated, trained on by RL and rolled
+out by an LLM teacher, not demonstrated by an expert (`qevolve.envs.terminal`). Imported tasks then go through
+the sanity gate unless asked not to: the oracle passes, a do-nothing agent fails, the oracle passes again; for a
+validator-only task, a do-nothing agent fails twice the same way, test by test, and the report says the oracle
+check was not possible. `DEST/<split>/import.json` lists every task with its status, reason and oracle.
 """
 
 from __future__ import annotations
@@ -40,6 +43,12 @@ IGNORED = {"LABEL", "EXPOSE", "CMD", "ENTRYPOINT", "ARG", "USER", "MAINTAINER", 
 FETCHING = {"apt", "apt-get", "aptitude", "dpkg", "yum", "dnf", "apk", "pacman", "zypper", "pip", "pip3", "pipx", "uv", "conda", "mamba",
             "npm", "npx", "yarn", "pnpm", "gem", "cargo", "go", "curl", "wget", "git", "snap", "brew"}
 """Programs that install or download: a RUN that calls one needs the image."""
+VALIDATOR_ONLY = {
+    False: "validator-only (no oracle): not gated; it gives no expert demonstration",
+    True: "validator-only (no oracle): the gate checked that the untouched environment fails the validators twice the same way; "
+          "whether the task can be solved could not be checked; it gives no expert demonstration",
+}
+"""The report's reason for an imported task without an oracle, by whether the gate ran."""
 
 
 class TaskImportError(UserError, ValueError):
@@ -178,8 +187,6 @@ def convert(folder: Path, out: Path) -> None:
     tests = sorted((folder / "tests").glob("test_*.py")) if (folder / "tests").is_dir() else []
     if not tests:
         raise ValueError(f"{folder / 'tests'}: no pytest validators (test_*.py)")
-    if not parts["solution"].is_file():
-        raise ValueError(f"{parts['solution']}: no oracle")
     if _compose_services(parts["compose"]) > 1:
         raise NeedsDocker(f"{parts['compose'].name}: {_compose_services(parts['compose'])} services")
     files, setup = translate(parts["dockerfile"]) if parts["dockerfile"].is_file() else ([], [])
@@ -203,8 +210,9 @@ def convert(folder: Path, out: Path) -> None:
     if setup:
         (env / "setup.sh").write_text("\n".join(setup) + "\n")
     shutil.copytree(folder / "tests", out / "tests", ignore=shutil.ignore_patterns("test.sh", "__pycache__"), symlinks=True)
-    (out / "solution").mkdir()
-    shutil.copy2(parts["solution"], out / "solution" / "solve.sh")
+    if parts["solution"].is_file():
+        (out / "solution").mkdir()
+        shutil.copy2(parts["solution"], out / "solution" / "solve.sh")
     (out / "instruction.md").write_text(instruction.strip() + "\n")
     (out / "task.toml").write_text(toml)
 
@@ -214,7 +222,7 @@ def import_tasks(src: Path, dest: Path, split: str = "test", terminal=None, max_
     `dest/<split>/import.json` the report. The gate runs in `terminal`'s sandbox (an `env.terminal` config)
     unless `gate` is False. Returns the counts by status."""
     from qevolve.envs.base import Task
-    from qevolve.envs.terminal import TerminalEnv
+    from qevolve.envs.terminal import TerminalEnv, has_oracle
     from qevolve.envs.terminal_tasks import gate as sanity_gate
 
     src, dest = Path(src), Path(dest)
@@ -237,12 +245,13 @@ def import_tasks(src: Path, dest: Path, split: str = "test", terminal=None, max_
                     shutil.rmtree(tmp / folder.name, ignore_errors=True)
                     report[folder.name] = {"status": "unsupported", "reason": str(err)}
                     continue
+                oracle = has_oracle(tmp / folder.name)
                 why = sanity_gate(env, Task(folder.name, tmp.name, "imported")) if env else ""
                 if why:
                     shutil.rmtree(tmp / folder.name)
-                    report[folder.name] = {"status": f"rejected_{why}", "reason": f"the sanity gate: {why.replace('_', ' ')}"}
+                    report[folder.name] = {"status": f"rejected_{why}", "reason": f"the sanity gate: {why.replace('_', ' ')}", "oracle": oracle}
                 else:
-                    report[folder.name] = {"status": "imported", "reason": ""}
+                    report[folder.name] = {"status": "imported", "oracle": oracle, "reason": "" if oracle else VALIDATOR_ONLY[bool(env)]}
         finally:
             if env:
                 env.close()

@@ -20,7 +20,7 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qevolve.envs.terminal import SUBMIT, oracle_steps
+from qevolve.envs.terminal import ORACLE, SUBMIT, has_oracle, oracle_steps
 
 WORDS = ["alpha", "bravo", "cedar", "delta", "ember", "fjord", "gamma", "harbor", "indigo", "juniper", "kepler", "lumen", "maple",
          "nectar", "onyx", "pixel", "quartz", "raven", "sierra", "tundra", "umber", "velvet", "willow", "xenon", "yarrow", "zephyr"]
@@ -272,9 +272,13 @@ def _episode(env, task, actions: list[str]) -> bool:
 
 
 def gate(env, task) -> str:
-    """'' when `task` passes the sanity gate on `env` (a `TerminalEnv`), else the reason it is rejected."""
-    solve = (env.root / task.split / task.id / "solution" / "solve.sh").read_text()
-    oracle = oracle_steps(solve) + [SUBMIT]
+    """'' when `task` passes the sanity gate on `env` (a `TerminalEnv`), else the reason it is rejected: the oracle
+    passes, a do-nothing agent fails, the oracle passes again. A validator-only task (no oracle) is checked for
+    what can be checked without one (`validator_gate`)."""
+    folder = env.root / task.split / task.id
+    if not has_oracle(folder):
+        return validator_gate(env, task)
+    oracle = oracle_steps((folder / ORACLE).read_text()) + [SUBMIT]
     if not _episode(env, task, oracle):
         return "oracle_fails"
     if _episode(env, task, [SUBMIT]):
@@ -282,6 +286,22 @@ def gate(env, task) -> str:
     if not _episode(env, task, oracle):
         return "flaky"
     return ""
+
+
+def validator_gate(env, task) -> str:
+    """The gate of a task without an oracle: the untouched environment, submitted twice, must fail the validators
+    both times and the same way, test by test ('' when it does). Whether the task can be solved at all cannot be
+    checked. Reasons: `validators_broken` (they did not run: a missing package, a crash; every episode would be
+    lost), `noop_passes`, `flaky` (two untouched runs judged apart)."""
+    verdicts = []
+    for _ in range(2):
+        won = _episode(env, task, [SUBMIT])
+        if env.info.get("validation_error") or not env.info.get("tests"):
+            return "validators_broken"
+        if won:
+            return "noop_passes"
+        verdicts.append(env.info["tests"])
+    return "flaky" if verdicts[0] != verdicts[1] else ""
 
 
 def teacher_plan(solution: list[str], mistakes: list[list[str]], rng: random.Random, p_err: float = 0.3, p_fix: float = 0.5) -> list[str]:

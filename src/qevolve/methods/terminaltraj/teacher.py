@@ -18,7 +18,7 @@ from tqdm import tqdm
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import StepRecord, Trajectory, write_store
-from qevolve.envs.terminal import SUBMIT, TerminalEnv, oracle_steps
+from qevolve.envs.terminal import ORACLE, SUBMIT, TaskError, TerminalEnv, has_oracle, oracle_steps
 from qevolve.envs.terminal_tasks import teacher_plan
 from qevolve.llm import chat
 from qevolve.models.prompt import format_action
@@ -77,6 +77,10 @@ def teacher(params: Params, instances_dir: Path, out: Path, metrics_path: Path) 
     cfg = params.terminaltraj.teacher
     env = TerminalEnv(str(instances_dir), params.env.terminal, params.env.max_steps)
     tasks = env.tasks("train")
+    without = [t.id for t in tasks if not has_oracle(Path(instances_dir) / t.split / t.id)]
+    if cfg.kind == "scripted" and without:
+        raise TaskError(f"{instances_dir}/train: {len(without)} validator-only tasks (no {ORACLE}: {', '.join(without[:3])}); the scripted "
+                        "teacher (terminaltraj.teacher.kind: scripted) plays a task's oracle: use kind `llm` for them")
     trajs, tests = [], {}
     try:
         for task, r in tqdm([(t, r) for t in tasks for r in range(cfg.rollouts)], desc="teacher", unit="ep"):
