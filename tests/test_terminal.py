@@ -561,6 +561,61 @@ def test_tasks_without_an_oracle_import_validator_only_and_the_gate_checks_what_
     assert ungated["free-win"] == {"status": "imported", "oracle": False, "reason": "validator-only (no oracle): not gated; it gives no expert demonstration"}
 
 
+def test_a_tasks_own_limits_are_given_up_to_the_configs_and_the_verifier_timeout_is_capped(tmp_path):
+    from qevolve.envs.sandbox import Limits
+    from qevolve.envs.terminal import task_limits
+
+    asks = ('[metadata]\ncategory = "text"\n[verifier]\ntimeout_sec = 900\n'
+            '[environment]\ncpus = 4\nmemory_mb = 512\nstorage_mb = 64\nallow_internet = true\n')
+    meta = read_task(_task(tmp_path / "tasks", "asks", toml=asks))
+    assert task_limits(meta, TerminalConfig(cpus=2)) == Limits(memory_mb=512, processes=128, file_mb=64, tmp_mb=64, cpus=2.0, network=False)
+    assert task_limits(meta, TerminalConfig()).cpus == 4.0, "no cap in the config: the task's"
+    assert task_limits(meta, TerminalConfig(allow_internet=True)).network, "asked for, and allowed"
+    assert not task_limits(meta, TerminalConfig(allow_internet=True), validators=True).network, "never for the validators"
+    plain = read_task(_task(tmp_path / "tasks", "plain"))
+    assert task_limits(plain, TerminalConfig(allow_internet=True)) == Limits(network=False), "no [environment]: the config's, no network"
+    for bad, field in (("memory_mb = \"lots\"", "environment.memory_mb must be a number"), ("cpus = -1", "environment.cpus must be"),
+                       ("allow_internet = \"yes\"", "environment.allow_internet must be true or false")):
+        folder = _task(tmp_path / "bad", bad.split()[0], toml=f'[metadata]\ncategory = "text"\n[environment]\n{bad}\n')
+        with pytest.raises(TaskError, match=re.escape(f"{folder / 'task.toml'}: {field}")):
+            read_task(folder)
+    # the task's verifier may take 900 s; the config gives it 1
+    _task(tmp_path / "slow", "slow", split="test", toml=asks, tests="import time\ntime.sleep(20)\n\ndef test_late():\n    pass\n")
+    env = TerminalEnv(str(tmp_path / "slow"), TerminalConfig(sandbox="local", verifier_timeout=1), 5)
+    started = time.monotonic()
+    _, steps = _play(env, env.tasks("test")[0], [SUBMIT])
+    env.close()
+    assert not steps[-1].won and "timed out after 1 s" in env.info["validation_error"] and time.monotonic() - started < 15
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_the_bwrap_sandbox_has_the_network_only_when_given_it_and_its_cpu_quota_holds(tmp_path):
+    import socket
+
+    from qevolve.envs.sandbox import Limits
+
+    server = socket.create_server(("127.0.0.1", 0))
+    probe = f"{sys.executable} -c 'import socket; socket.create_connection((\"127.0.0.1\", {server.getsockname()[1]}), timeout=2); print(\"reached\")'"
+    for network in (False, True):
+        session = Session("bwrap", tmp_path, Limits(network=network))
+        try:
+            assert ("reached" in session.run(probe, 20).output) == network
+        finally:
+            session.close()
+    server.close()
+    busy = f"{sys.executable} -c 'import time; t = time.time()\nwhile time.time() - t < 1.5: pass\nprint(time.process_time())'"
+    used = {}
+    for cpus in (0.1, 0.0):
+        session = Session("bwrap", tmp_path, Limits(cpus=cpus))
+        try:
+            if cpus and not any("cpu" in str(g) for g in session.cgroups):
+                pytest.skip("this host lets us make no cpu cgroup")
+            used[cpus] = float(session.run(busy, 30).output.split()[-1])
+        finally:
+            session.close()
+    assert used[0.1] < 0.35 and used[0.0] > 2 * used[0.1], used  # a tenth of a CPU for 1.5 s of wall time, then unbounded
+
+
 @pytest.fixture
 def fake_docker(tmp_path, monkeypatch):
     """`docker` on PATH is tests/fake_docker.py (bubblewrap standing in for containers); its calls are logged."""

@@ -87,9 +87,18 @@ class TerminalConfig(Section):
     partial_reward: bool = False
     """Reward the share of validator tests passed instead of 1 only when all pass (won is all either way)."""
     memory_mb: int = Field(2048, gt=0)
+    """Memory per sandbox (and per process); a task's `[environment] memory_mb` is given up to this."""
+    cpus: float = Field(0.0, ge=0)
+    """CPUs a sandbox may use at once (0: no cap); a task's `[environment] cpus` is given up to this."""
     processes: int = Field(128, gt=0)
     file_mb: int = Field(256, gt=0)
+    """Largest file a command may write; a task's `[environment] storage_mb` lowers it (its total is not capped)."""
     tmp_mb: int = Field(64, gt=0)
+    allow_internet: bool = False
+    """Give a task that asks for the network (`[environment] allow_internet = true`) the host's. Off, no sandbox has
+    one; the validators never do."""
+    verifier_timeout: float = Field(600.0, gt=0)
+    """The most seconds the validators may take, whatever a task's `[verifier] timeout_sec` says."""
 
 
 class TextCraftConfig(Section):

@@ -2,13 +2,13 @@
 episode folder mounted at /app, one command at a time (../shared/research/terminaltraj.md, section 2).
 
 Backends (`env.terminal.sandbox`):
-- `bwrap` (the default): bubblewrap, no daemon. No network (`--unshare-all`), the system read-only, a
-  minimal /etc (the loader's files and stub passwd/group: none of the host's secrets), uid 1000 inside,
+- `bwrap` (the default): bubblewrap, no daemon. No network (`--unshare-all`; `Limits.network` shares the host's),
+  the system read-only, a minimal /etc (the loader's files and stub passwd/group: none of the host's secrets), uid 1000 inside,
   which is this host's user, or when qevolve runs as root an unprivileged host uid (`SANDBOX_UID`,
   nobody's, inside too), so root-only host files stay unreadable; a tmpfs /tmp of `tmp_mb`, its own PID namespace
   (`--die-with-parent`: nothing outlives the episode), memory (`ulimit -v` per process) and file-size
   (`ulimit -f`) limits, and caps on the whole sandbox through cgroups where this host lets us make them
-  (root with cgroup v1 `pids` and `memory`, or v2): processes and memory; else `ulimit -u` (which holds:
+  (root with cgroup v1 `pids`, `memory` and `cpu`, or v2): processes, memory and CPU; else `ulimit -u` (which holds:
   the sandbox never runs as root). The Python that runs qevolve (its venv and base prefix) is bound
   read-only, for validators. As root, bwrap makes no user namespace (its uid 1000 would be host root):
   it sets the sandbox up as root and the shell drops to nobody (`setpriv`, every capability gone).
@@ -54,6 +54,8 @@ GRACE_S = 2.0
 SANDBOX_UID = 65534
 """The host uid and gid a sandbox runs as when qevolve runs as root (nobody's): never root."""
 ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "nsswitch.conf", "localtime")
+NETWORK_ETC = ("resolv.conf", "hosts", "ssl", "ca-certificates")
+"""What a sandbox with the network also reads of the host's /etc: name resolution and the CA certificates."""
 """What of the host's /etc a bwrap sandbox sees (the loader's files and links); passwd and group are stubs."""
 PASSWD = "root:x:0:0:root:/root:/usr/sbin/nologin\nagent:x:1000:1000:agent:/app:/bin/bash\nnobody:x:65534:65534:nobody:/app:/bin/bash\n"
 GROUP = "root:x:0:\nagent:x:1000:\nnogroup:x:65534:\n"
@@ -109,6 +111,12 @@ class Limits:
     """Largest file a command may write (`ulimit -f`)."""
     tmp_mb: int = 64
     """Size of the sandbox's /tmp (bwrap's tmpfs)."""
+    cpus: float = 0.0
+    """CPU time the sandbox may use at once, in CPUs (a cpu cgroup's quota under bwrap, where this host lets us make
+    one; docker's `--cpus`); 0: no cap."""
+    network: bool = False
+    """Give the sandbox the host's network (bwrap `--share-net`, with the host's /etc/resolv.conf and hosts; docker's
+    default bridge). Off, it has none."""
 
 
 @dataclass
@@ -223,7 +231,8 @@ class Session:
         if self.backend == "docker":
             lim, uid = self.limits, host_uid()
             mounts = [a for host, inside, rw in self.mounts for a in ("-v", f"{host}:{inside}{'' if rw else ':ro'}")]
-            return ["docker", "run", "--rm", "-i", "--name", self.container, "--network", "none", "--read-only", "--cap-drop", "ALL",
+            return ["docker", "run", "--rm", "-i", "--name", self.container, "--network", "bridge" if lim.network else "none", "--read-only",
+                    "--cap-drop", "ALL", *(["--cpus", f"{lim.cpus:g}"] if lim.cpus else []),
                     "--security-opt", "no-new-privileges", "--user", f"{uid}:{uid}", "--memory", f"{lim.memory_mb}m",
                     "--pids-limit", str(lim.processes), "--ulimit", f"fsize={lim.file_mb << 20}", "--tmpfs", f"/tmp:size={lim.tmp_mb}m",
                     "-v", f"{self.workdir}:/app", *mounts, "-w", "/app", "-e", "HOME=/app",
@@ -239,7 +248,8 @@ class Session:
         system = [d for d in ("/usr", "/bin", "/lib", "/lib64") if os.path.exists(d)]
         binds = [a for d in system for a in ("--ro-bind", d, d)]
         binds += ["--perms", "0755", "--dir", "/etc"]
-        binds += [a for name in ETC if os.path.lexists(f"/etc/{name}") for a in ("--ro-bind", f"/etc/{name}", f"/etc/{name}")]
+        etc = ETC + NETWORK_ETC * self.limits.network
+        binds += [a for name in etc if os.path.lexists(f"/etc/{name}") for a in ("--ro-bind", f"/etc/{name}", f"/etc/{name}")]
         binds += [*data(PASSWD, "/etc/passwd"), *data(GROUP, "/etc/group"), "--proc", "/proc", "--dev", "/dev",
                   "--perms", "1777", "--size", str(self.limits.tmp_mb << 20), "--tmpfs", "/tmp"]
         # then what lives under those (a venv under /tmp): mounted before, the tmpfs would hide it
@@ -253,12 +263,12 @@ class Session:
                     binds += ["--perms", "0755", "--dir", str(parent)]
             binds += ["--bind" if writable else "--ro-bind", str(host), str(inside)]
         if os.geteuid() == 0:  # no user namespace (it would map to root): bwrap sets up as root, then the shell drops to nobody
-            user = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            user = ["--unshare-pid", *(["--unshare-net"] * (not self.limits.network)), "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
                     "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
             shell = ["setpriv", "--reuid", str(SANDBOX_UID), "--regid", str(SANDBOX_UID), "--clear-groups", "--inh-caps=-all",
                      "--bounding-set=-all", *shell]
         else:
-            user = ["--unshare-all", "--unshare-user", "--disable-userns", "--uid", "1000", "--gid", "1000"]
+            user = ["--unshare-all", *(["--share-net"] * self.limits.network), "--unshare-user", "--disable-userns", "--uid", "1000", "--gid", "1000"]
         return ["bwrap", *binds, "--bind", str(self.workdir), "/app", "--chdir", "/app", *user,
                 "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/app",
                 *(a for k, v in SHELL_ENV.items() for a in ("--setenv", k, v)), *shell]
@@ -440,14 +450,21 @@ def _comm(pid: int) -> str:
         return ""
 
 
+CPU_PERIOD_US = 100_000
+
+
 def _cgroups(limits: Limits) -> list[Path]:
     """Fresh cgroups capping a sandbox's processes (`pids.max`) and, where the controller is there, its memory
-    as a whole (`memory.limit_in_bytes`, v2 `memory.max`), where this host lets us make them; else none."""
-    memory = str(limits.memory_mb << 20)
+    as a whole (`memory.limit_in_bytes`, v2 `memory.max`) and its CPU time (`cpu.cfs_quota_us` per
+    `CPU_PERIOD_US`, v2 `cpu.max`), where this host lets us make them; else none."""
+    memory, quota = str(limits.memory_mb << 20), str(round(limits.cpus * CPU_PERIOD_US))
     pids = _cgroup(Path("/sys/fs/cgroup/pids"), {"pids.max": str(limits.processes)})  # cgroup v1
     if pids is not None:
-        return [pids] + [g for g in [_cgroup(Path("/sys/fs/cgroup/memory"), {"memory.limit_in_bytes": memory})] if g is not None]
-    unified = _cgroup(Path("/sys/fs/cgroup"), {"pids.max": str(limits.processes)}, {"memory.max": memory})  # v2
+        cpu = {"cpu.cfs_period_us": str(CPU_PERIOD_US), "cpu.cfs_quota_us": quota} if limits.cpus else None
+        more = [_cgroup(Path("/sys/fs/cgroup/memory"), {"memory.limit_in_bytes": memory}), cpu and _cgroup(Path("/sys/fs/cgroup/cpu"), cpu)]
+        return [pids] + [g for g in more if g]
+    unified = _cgroup(Path("/sys/fs/cgroup"), {"pids.max": str(limits.processes)},  # v2
+                      {"memory.max": memory, **({"cpu.max": f"{quota} {CPU_PERIOD_US}"} if limits.cpus else {})})
     return [unified] if unified is not None else []
 
 

@@ -3,7 +3,10 @@
 A task is a folder in the Harbor / Terminal-Bench 2 layout, under `env.data_dir/<split>/<task id>/`:
 - `instruction.md`: what the agent is asked to do;
 - `task.toml`: `[metadata] category` (the task's type: its family or domain), `difficulty`;
-  `[agent] timeout_sec` (the episode's wall clock), `[verifier] timeout_sec` (the validators');
+  `[agent] timeout_sec` (the episode's wall clock), `[verifier] timeout_sec` (the validators', at most
+  `env.terminal.verifier_timeout`); `[environment]` `memory_mb`, `cpus`, `storage_mb` (the largest file) given
+  up to `env.terminal`'s, and `allow_internet`, the host's network for the agent's sandbox only where
+  `env.terminal.allow_internet` allows it (`task_limits`);
 - `environment/`: the files the episode starts with, copied into its working directory (/app), and an
   optional `setup.sh` run there first (it is not left for the agent to read);
 - `tests/`: pytest validators of the end state, which the agent never sees;
@@ -64,11 +67,19 @@ def read_task(folder: Path) -> dict:
         raise TaskError(f"{path}: missing; a terminal task needs instruction.md, tests/ and task.toml") from None
     except tomllib.TOMLDecodeError as err:
         raise TaskError(f"{path}: not valid TOML: {err}") from None
+    env = meta.get("environment", {})
     out = {"category": meta.get("metadata", {}).get("category", "general"),
-           "agent_timeout": meta.get("agent", {}).get("timeout_sec", 360.0), "verifier_timeout": meta.get("verifier", {}).get("timeout_sec", 60.0)}
+           "agent_timeout": meta.get("agent", {}).get("timeout_sec", 360.0), "verifier_timeout": meta.get("verifier", {}).get("timeout_sec", 60.0),
+           "cpus": env.get("cpus", 0), "memory_mb": env.get("memory_mb", 0), "storage_mb": env.get("storage_mb", 0),
+           "allow_internet": env.get("allow_internet", False)}
     for key, field in (("agent_timeout", "agent.timeout_sec"), ("verifier_timeout", "verifier.timeout_sec")):
-        if not isinstance(out[key], (int, float)) or out[key] <= 0:
+        if not isinstance(out[key], (int, float)) or isinstance(out[key], bool) or out[key] <= 0:
             raise TaskError(f"{path}: {field} must be a positive number of seconds, got {out[key]!r}")
+    for key in ("cpus", "memory_mb", "storage_mb"):
+        if not isinstance(out[key], (int, float)) or isinstance(out[key], bool) or out[key] < 0:
+            raise TaskError(f"{path}: environment.{key} must be a number >= 0 (0 or absent: the config's), got {out[key]!r}")
+    if not isinstance(out["allow_internet"], bool):
+        raise TaskError(f"{path}: environment.allow_internet must be true or false, got {out['allow_internet']!r}")
     if not isinstance(out["category"], str) or not out["category"]:
         raise TaskError(f"{path}: metadata.category must be a non-empty string, got {out['category']!r}")
     return out
@@ -103,6 +114,17 @@ def candidates(folder: Path, oracle: list[str]) -> list[str]:
         raise TaskError(f"{path}: expected a JSON list of lists of commands (one list per oracle step), got {str(mistakes)[:100]!r}")
     wrong = [c for group in mistakes for c in group]
     return list(dict.fromkeys([*oracle, *wrong, "ls -la", SUBMIT]))
+
+
+def task_limits(meta: dict, cfg, validators: bool = False) -> Limits:
+    """The sandbox limits of a task (`read_task`) under `cfg` (`env.terminal`): what its `[environment]` asks for, up
+    to the config's (memory, CPUs, the largest file at most its storage), the network only where the task asks for
+    it and `cfg.allow_internet` allows it, and never for the validators."""
+    def up_to(asked, cap):
+        return min(asked, cap) if asked and cap else asked or cap
+
+    return Limits(memory_mb=int(up_to(meta["memory_mb"], cfg.memory_mb)), processes=cfg.processes, file_mb=int(up_to(meta["storage_mb"], cfg.file_mb)),
+                  tmp_mb=cfg.tmp_mb, cpus=float(up_to(meta["cpus"], cfg.cpus)), network=meta["allow_internet"] and cfg.allow_internet and not validators)
 
 
 def _parses(command: str) -> bool:
@@ -189,9 +211,8 @@ class TerminalEnv:
             return self._validate("timeout", text, valid)
         return Step(text, 0.0, False, False, valid, list(self.candidates))
 
-    def _sandbox(self, mounts: tuple = ()) -> Session:
-        cfg = self.cfg
-        return Session(cfg.sandbox, self.episode_dir, Limits(cfg.memory_mb, cfg.processes, cfg.file_mb, cfg.tmp_mb), cfg.output_bytes, cfg.image,
+    def _sandbox(self, mounts: tuple = (), validators: bool = False) -> Session:
+        return Session(self.cfg.sandbox, self.episode_dir, task_limits(self.meta, self.cfg, validators), self.cfg.output_bytes, self.cfg.image,
                        mounts)
 
     def _validate(self, why: str, text: str = "", valid: bool = True) -> Step:
@@ -229,20 +250,24 @@ class TerminalEnv:
             name = f"{secrets.token_hex(8)}.xml"
             setup = self.folder / "environment" / "setup.sh"  # the task's own variables (a Dockerfile's ENV), not the agent's
             exports = [ln for ln in setup.read_text().splitlines() if ln.startswith("export ")] if setup.is_file() else []
-            session = self._sandbox(((tests, "/tests", False), (config, "/qevolve", False), (report, "/report", True)))
+            session = self._sandbox(((tests, "/tests", False), (config, "/qevolve", False), (report, "/report", True)), validators=True)
             try:
                 inside = session.where
                 run = session.run("".join(f"{e}; " for e in exports) +
                                   f"cd {session.app} && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {session.python} -I -m pytest -q -p no:cacheprovider "
                                   f"-c {inside('/qevolve')}/pytest.ini --rootdir {inside('/tests')} --confcutdir {inside('/tests')} "
-                                  f"--junitxml {inside('/report')}/{name} {inside('/tests')}", self.meta["verifier_timeout"])
+                                  f"--junitxml {inside('/report')}/{name} {inside('/tests')}", self.verifier_timeout)
             finally:
                 session.close()
             try:
                 return test_results(read_regular(report / name)), run.status, run.timed_out, ""
             except (ValueError, ET.ParseError) as err:  # no report, or not one pytest wrote
-                why = f"timed out after {self.meta['verifier_timeout']:g} s" if run.timed_out else f"pytest exited with status {run.status}"
+                why = f"timed out after {self.verifier_timeout:g} s" if run.timed_out else f"pytest exited with status {run.status}"
                 return {}, run.status, run.timed_out, f"no validators' report ({why}): {err}"[:300]
+
+    @property
+    def verifier_timeout(self) -> float:
+        return min(self.meta["verifier_timeout"], self.cfg.verifier_timeout)
 
     def expert_action(self) -> str | None:
         return self.plan[0] if self.plan else None
