@@ -13,7 +13,6 @@ moved no role by `NO_OP_KL` is warned of.
 from __future__ import annotations
 
 from pathlib import Path
-
 from types import SimpleNamespace
 
 import torch
