@@ -5,8 +5,8 @@ Rounds of: play `episodes_per_round` hierarchical episodes on train tasks with t
 subgoal's end; under `multi2.reward: outcome` only the episode's end is, and only a won episode's last step
 is rewarded), push them into the replay buffer (FIFO, `buffer_size` segments; a failed segment, return <= 0,
 or under `outcome` one of a lost episode, is kept with probability `keep_fail_ratio`), then
-`updates_per_round` updates on batches of the buffer's transitions, each a critic step (Q toward r + gamma V(s'), V by expectile toward the target Q,
-then the target's Polyak step) and an actor step on
+`updates_per_round` updates on batches of the buffer's transitions, each a critic step (Q toward
+r + gamma V(s'), V by expectile toward the target Q, then the target's Polyak step) and an actor step on
 `qevolve.algos.rl.awac_kl_loss`: -mean(min(exp(A / alpha), max_weight) log pi_on(a)) + eta KL(pi_on || pi_off),
 A = Q - V from the critic, the KL (k3) on the actions' tokens against the offline policy `policy@1`, loaded
 as one more adapter on the same base (no second model in memory).
