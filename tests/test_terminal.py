@@ -616,6 +616,21 @@ def test_the_bwrap_sandbox_has_the_network_only_when_given_it_and_its_cpu_quota_
     assert used[0.1] < 0.35 and used[0.0] > 2 * used[0.1], used  # a tenth of a CPU for 1.5 s of wall time, then unbounded
 
 
+def test_the_import_benchmark_samples_by_difficulty_and_lists_every_need_of_a_dockerfile(tmp_path):
+    from benchmarks.terminal_import import cause, needs, stratified
+
+    names = [f"t{i}_hard" for i in range(6)] + [f"t{i}_medium_1" for i in range(3)] + ["plain"]
+    picked = stratified(names, 5, seed=0)
+    # 5 of 10: hard 3.0, medium 1.5, other 0.5; the one left over goes to the largest remainder (medium before other by name)
+    assert sum(n.endswith("_hard") for n in picked) == 3 and sum("_medium" in n for n in picked) == 2 and picked == stratified(names, 5, seed=0)
+    assert stratified(names, 50, seed=1) == sorted(names)
+    (tmp_path / "Dockerfile").write_text("FROM ghcr.io/x/ubuntu:1\nWORKDIR /workspace\nRUN apt-get update && pip3 install pytest\n"
+                                         "COPY data /workspace/data\nRUN [\"curl\", \"-O\", \"https://x\"]\n")
+    assert needs(tmp_path / "Dockerfile") == {"base image ghcr.io/x/ubuntu:1", "WORKDIR outside /app", "RUN apt-get", "RUN pip3",
+                                              "COPY outside /app", "RUN curl"}
+    assert cause("Dockerfile:3 `RUN apt-get update`: `apt-get` installs or downloads") == "`apt-get` installs or downloads"
+
+
 @pytest.fixture
 def fake_docker(tmp_path, monkeypatch):
     """`docker` on PATH is tests/fake_docker.py (bubblewrap standing in for containers); its calls are logged."""

@@ -1,0 +1,114 @@
+"""The import funnel of a public terminal task set: a stratified sample of its task folders through
+`qevolve terminal-import` (the sanity gate in the `--sandbox`), counted by outcome, and each blocked or rejected
+task by the first thing that stopped it.
+
+    python -m benchmarks.terminal_import FOLDER [--sample 200] [--seed 0] [--sandbox bwrap] [--out FILE.json]
+
+FOLDER holds task folders (Harbor / Terminal-Bench 2, or Terminal-Bench 1). The sample is stratified by
+difficulty, the `_easy` / `_medium` / `_hard` ending of a folder's name where it has one (TermiGen's names
+carry it, sometimes with a `_1` after; its task.toml files all say `medium`), in proportion, drawn with `--seed`.
+Beside the funnel, what the sampled tasks' Dockerfiles need that the bwrap sandbox cannot give, a task counted
+under each of its needs (the funnel names only the first). `--out` keeps the sample's
+names and each task's status and reason (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import shlex
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from qevolve.config import TerminalConfig
+from qevolve.envs.terminal_import import APP, FETCHING, REPORT, _instructions, _programs, import_tasks
+
+STRATUM = re.compile(r"_(easy|medium|hard)(_\d+)?$")
+
+
+def stratified(names: list[str], n: int, seed: int) -> list[str]:
+    """`n` of `names` (all of them if fewer), each stratum (`STRATUM`, else `other`) in proportion to its size,
+    the remainders to the largest fractions, drawn with `seed`."""
+    strata: dict[str, list[str]] = {}
+    for name in sorted(names):
+        strata.setdefault(m.group(1) if (m := STRATUM.search(name)) else "other", []).append(name)
+    n = min(n, len(names))
+    exact = {k: n * len(v) / len(names) for k, v in strata.items()}
+    take = {k: int(x) for k, x in exact.items()}
+    for k in sorted(exact, key=lambda k: (take[k] - exact[k], k))[: n - sum(take.values())]:
+        take[k] += 1
+    rng = random.Random(seed)
+    return sorted(name for k in sorted(strata) for name in rng.sample(strata[k], take[k]))
+
+
+def cause(reason: str) -> str:
+    """What a reason says stopped the task, without the task's own details (its Dockerfile line, its paths)."""
+    reason = re.sub(r"^Dockerfile:\d+ `[^`]*`: ", "", reason)
+    reason = re.sub(r"^\S*/([^/\s]+/)?([^/\s:]+): ", r"\2: ", reason)
+    return re.sub(r"\d+ services", "several services", reason)
+
+
+def needs(dockerfile: Path) -> set[str]:
+    """Everything in a Dockerfile that only an image built from it gives: each installing or downloading program
+    its RUNs call, a working directory or a COPY outside /app, a base image."""
+    out = set()
+    for _, word, rest in _instructions(dockerfile) if dockerfile.is_file() else []:
+        if word == "FROM":
+            out.add(f"base image {rest.split()[0]}")
+        elif word == "WORKDIR" and rest.rstrip("/") != APP:
+            out.add("WORKDIR outside /app")
+        elif word in ("COPY", "ADD") and not shlex.split(rest)[-1].startswith(APP):
+            out.add("COPY outside /app")
+        elif word == "RUN":
+            out |= {f"RUN {p}" for p in _programs(shlex.join(json.loads(rest)) if rest.startswith("[") else rest) if p in FETCHING}
+    return out
+
+
+def funnel(report: dict) -> list[tuple[str, str, int]]:
+    """(status, cause, tasks) rows, by status then count."""
+    counts = Counter()
+    for r in report.values():
+        status = r["status"] + (" (validator-only)" if r["status"] == "imported" and not r.get("oracle", True) else "")
+        counts[status, "" if r["status"] == "imported" else cause(r["reason"])] += 1
+    return sorted(((s, c, n) for (s, c), n in counts.items()), key=lambda x: (x[0], -x[2], x[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("--sample", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sandbox", default="bwrap", choices=("bwrap", "local"))
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    names = [d.name for d in args.folder.iterdir() if d.is_dir() and not d.is_symlink()]
+    sample = stratified(names, args.sample, args.seed)
+    with tempfile.TemporaryDirectory(prefix="qevolve-bench-import-") as tmp:
+        src = Path(tmp) / "src"
+        for name in sample:  # copied, not linked: the importer refuses a task folder that is a link
+            shutil.copytree(args.folder / name, src / name, symlinks=True)
+        counts = import_tasks(src, Path(tmp) / "dest", "sample", TerminalConfig(sandbox=args.sandbox))
+        report = json.loads((Path(tmp) / "dest" / "sample" / REPORT).read_text())
+    strata = Counter(m.group(1) if (m := STRATUM.search(n)) else "other" for n in sample)
+    print(f"{args.folder}: {len(sample)} of {len(names)} task folders ({', '.join(f'{k} {v}' for k, v in sorted(strata.items()))}), "
+          f"seed {args.seed}, gate in {args.sandbox}\n")
+    print(f"{'status':<34} {'tasks':>5}  first thing that stopped it")
+    for status, why, n in funnel(report):
+        print(f"{status:<34} {n:>5}  {why}")
+    print(f"\n{sum(counts.values())} tasks: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    needed = Counter(need for name in sample for need in needs(args.folder / name / "environment" / "Dockerfile"))
+    print(f"\n{'what the Dockerfiles need':<66} {'tasks':>5}")
+    for need, n in sorted(needed.items(), key=lambda x: (-x[1], x[0])):
+        print(f"{need:<66} {n:>5}")
+    if args.out:
+        args.out.write_text(json.dumps({"folder": str(args.folder), "seed": args.seed, "sandbox": args.sandbox, "of": len(names),
+                                        "sample": sample, "report": report, "needs": dict(needed)}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
