@@ -94,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         counts = import_tasks(src, Path(tmp) / "dest", "sample", TerminalConfig(sandbox=args.sandbox))
         report = json.loads((Path(tmp) / "dest" / "sample" / REPORT).read_text())
     strata = Counter(m.group(1) if (m := STRATUM.search(n)) else "other" for n in sample)
+    oracles = sum((args.folder / n / "solution" / "solve.sh").is_file() or (args.folder / n / "solution.sh").is_file() for n in names)
     print(f"{args.folder}: {len(sample)} of {len(names)} task folders ({', '.join(f'{k} {v}' for k, v in sorted(strata.items()))}), "
-          f"seed {args.seed}, gate in {args.sandbox}\n")
+          f"seed {args.seed}, gate in {args.sandbox}; {oracles} of the {len(names)} have an oracle\n")
     print(f"{'status':<34} {'tasks':>5}  first thing that stopped it")
     for status, why, n in funnel(report):
         print(f"{status:<34} {n:>5}  {why}")
