@@ -169,10 +169,11 @@ def test_anchored_awr_loss_hand_computed():
 def test_kl_on_policy_hand_computed_and_unbiased():
     # d = ref - policy = [log 0.5, 0]: k3 = (0.5 - 1 - log 0.5, 0) -> mean (0.193147 + 0) / 2 = 0.096574
     assert close(kl_on_policy(torch.log(torch.tensor([0.8, 0.3])), torch.log(torch.tensor([0.4, 0.3]))), 0.096574)
-    # over all of a policy's outcomes, weighted by the policy: exactly KL(p || q)
+    # on samples drawn in the policy's own proportions (7, 2 and 1 of 10 of its three outcomes): exactly KL(p || q)
     p, q = torch.tensor([0.7, 0.2, 0.1]), torch.tensor([0.2, 0.5, 0.3])
-    d = q.log() - p.log()
-    assert close((p * (torch.exp(d) - 1 - d)).sum(), (p * (p / q).log()).sum())
+    drawn = torch.tensor([0] * 7 + [1] * 2 + [2])
+    # KL = 0.7 log 3.5 + 0.2 log 0.4 + 0.1 log(1/3) = 0.876934 - 0.183258 - 0.109861 = 0.583815
+    assert close(kl_on_policy(p.log()[drawn], q.log()[drawn]), 0.583815)
 
 
 def test_awac_kl_loss_hand_computed():
