@@ -41,6 +41,17 @@ def task_outcomes(root: Path, stage: str) -> dict[str, dict]:
     return out
 
 
+def critic_auc(root: Path, stage: str) -> float | None:
+    """The held-out AUC of the critic behind a row (`diagnose@k`, k the row's iteration: flat `critic_auc`, a
+    hierarchy's low level, System 2 for Multi²), or None (no critic at that iteration, or not scored)."""
+    k = int(stage.partition("@")[2])
+    path = root / "metrics" / f"diagnose@{k}.json"
+    if not k or not path.is_file():
+        return None
+    d = json.loads(path.read_text())
+    return d.get("critic_auc", d.get("low_critic_auc"))
+
+
 def gather(spec: Spec, out: Path) -> list[dict]:
     """Per row: per seed, the row stage's metrics per split, its outcome on each task, and the env steps and
     tokens behind it."""
@@ -66,6 +77,7 @@ def gather(spec: Spec, out: Path) -> list[dict]:
                 "expert_env_steps": experts,
                 "own_env_steps": first["cumulative_env_steps"] - experts,
                 "generated_tokens": first.get("cumulative_generated_tokens", 0),
+                **({"critic_auc": auc} if (auc := critic_auc(root, row.stage)) is not None else {}),
             })
         results.append({"row": row.name, "workspace": row.workspace, "stage": row.stage, "against": spec.against(row), "seeds": seeds})
     return results
@@ -140,7 +152,15 @@ LEGEND = ("success %: pooled over seeds, with its 95 % Wilson interval at the sa
           "task are counted as the correlated draws they are (Kish's design effect), and won/episodes. Δ: the row's success "
           "minus the row named, on the tasks and seeds both played, with a 95 % paired bootstrap interval (tasks, then each "
           "task's seeds, drawn again); an interval holding 0 does not tell the rows apart. env fail: episodes the environment "
-          "failed, left out of the rates.\n")
+          "failed, left out of the rates. critic AUC: how well the critic of the row's iteration ranks won above lost episodes "
+          "it never trained on (`diagnose@k`, on the previous policy's evaluation episodes; a hierarchy's low level), mean "
+          "over seeds; 0.5 is chance.\n")
+
+
+def auc_cell(seeds: list[dict]) -> str:
+    """The mean held-out critic AUC over the seeds that have one, and how many when not all; '' when none."""
+    aucs = [s["critic_auc"] for s in seeds if s.get("critic_auc") is not None]
+    return "" if not aucs else f"{statistics.mean(aucs):.2f}" + (f" ({len(aucs)} of {len(seeds)})" if len(aucs) < len(seeds) else "")
 
 
 def env_failures(seeds: list[dict], splits: tuple[str, ...]) -> int:
@@ -153,8 +173,8 @@ def by_type_markdown(results: list[dict], split: str) -> str:
     calls per episode, invalid and repeated-action rates."""
     types = sorted({ty for r in results for s in r["seeds"] for ty in s.get(f"{split}/by_type", {})})
     head = (f"| # | row | seeds | {' | '.join(f'{ty} success %' for ty in types)} | all success % | Δ all | env fail | "
-            "tokens per episode (high / low) | System 1 calls per episode | invalid % | repeated % |")
-    lines = [head, "|---:|---|---:|" + "---:|" * (len(types) + 7)]
+            "tokens per episode (high / low) | System 1 calls per episode | invalid % | repeated % | critic AUC |")
+    lines = [head, "|---:|---|---:|" + "---:|" * (len(types) + 8)]
     for i, r in enumerate(results, 1):
         seeds = r["seeds"]
         col = lambda key: [s[key] for s in seeds if key in s]  # noqa: E731
@@ -164,7 +184,7 @@ def by_type_markdown(results: list[dict], split: str) -> str:
         tokens = f"{fmt(high, digits=0)} / {fmt(low, digits=0)}" if high else fmt(col(f"{split}/tokens_per_episode"), digits=0) + " (flat)"
         calls = col(f"{split}/subtasks_per_episode")
         lines.append(f"| {i} | {r['row']} | {len(seeds)} | {' | '.join(cells)} | {tokens} | {fmt(calls, digits=2) if calls else ''} | "
-                     f"{fmt(col(f'{split}/invalid_rate'), True)} | {fmt(col(f'{split}/repeated_rate'), True)} |")
+                     f"{fmt(col(f'{split}/invalid_rate'), True)} | {fmt(col(f'{split}/repeated_rate'), True)} | {auc_cell(seeds)} |")
     return "\n".join(lines) + "\n\n" + LEGEND
 
 
@@ -173,13 +193,13 @@ def markdown(results: list[dict], by_type: str | None = None, pair: tuple[str, .
         return by_type_markdown(results, by_type)
     label = {"valid_seen": "seen", "valid_unseen": "unseen"}
     head = (f"| # | row | seeds | {' | '.join(f'{label.get(s, s)} success % | Δ {label.get(s, s)} | {label.get(s, s)} reward' for s in pair)} | "
-            f"env fail | own env steps | generated tokens | tokens per {label.get(pair[0], pair[0])} episode |")
-    lines = [head, "|---:|---|---:|" + "---:|---:|---:|" * len(pair) + "---:|---:|---:|---:|"]
+            f"env fail | own env steps | generated tokens | tokens per {label.get(pair[0], pair[0])} episode | critic AUC |")
+    lines = [head, "|---:|---|---:|" + "---:|---:|---:|" * len(pair) + "---:|---:|---:|---:|---:|"]
     for i, r in enumerate(results, 1):
         col = lambda key: [s[key] for s in r["seeds"] if key in s]  # noqa: E731
         cells = " | ".join(f"{rate_cell(r['seeds'], s)} | {difference_cell(results, r, s)} | {fmt(col(f'{s}/avg_reward'))}" for s in pair)
         lines.append(f"| {i} | {r['row']} | {len(r['seeds'])} | {cells} | {env_failures(r['seeds'], pair)} | {fmt(col('own_env_steps'), digits=0)} | "
-                     f"{fmt(col('generated_tokens'), digits=0)} | {fmt(col(f'{pair[0]}/tokens_per_episode'), digits=0)} |")
+                     f"{fmt(col('generated_tokens'), digits=0)} | {fmt(col(f'{pair[0]}/tokens_per_episode'), digits=0)} | {auc_cell(r['seeds'])} |")
     return "\n".join(lines) + "\n\n" + LEGEND
 
 

@@ -277,13 +277,15 @@ def test_the_miniature_spec_validates_and_its_table_counts_successes_by_depth():
     assert every["compat"]["multi2"]["repo_compat"] is True and not params["multi2"].get("repo_compat")
     assert every["compat"]["bc"] == params["bc"] and every["compat"]["collect"] == params["collect"]  # the same SFT and data
     seeds = [{"test/by_type": {"depth2": {"episodes": 4, "won": 3}, "depth3": {"episodes": 2, "won": 0}}, "test/high_tokens_per_episode": 100.0,
-              "test/low_tokens_per_episode": 300.0, "test/subtasks_per_episode": 2.0, "test/invalid_rate": 0.1, "test/repeated_rate": 0.0},
+              "test/low_tokens_per_episode": 300.0, "test/subtasks_per_episode": 2.0, "test/invalid_rate": 0.1, "test/repeated_rate": 0.0,
+              "critic_auc": 0.625},
              {"test/by_type": {"depth2": {"episodes": 4, "won": 1}, "depth3": {"episodes": 2, "won": 1}}, "test/high_tokens_per_episode": 120.0,
               "test/low_tokens_per_episode": 280.0, "test/subtasks_per_episode": 3.0, "test/invalid_rate": 0.3, "test/repeated_rate": 0.5}]
     line = markdown([{"row": "Multi²", "seeds": seeds}], "test").splitlines()[2]
     # Without per-task outcomes each episode counts alone: depth2 4 of 8, Wilson: z²/n = 0.48018, centre 0.5, half-width
     # 1.96·√(0.03125 + 0.015006) / 1.48018 = 0.28479; depth3 1 of 4: centre 0.37247, half-width 0.32689; all: 5 of 12
     assert "| 50.0 [21.5, 78.5] (4/8) | 25.0 [4.6, 69.9] (1/4) | 41.7 [19.3, 68.0] (5/12) |  | 0 | 110 ± 14 / 290 ± 14 | 2.50 ± 0.71 | 20.0 ± 14.1 | 25.0 ± 35.4 |" in line
+    assert line.endswith("| 25.0 ± 35.4 | 0.62 (1 of 2) |"), "the critic's held-out AUC where a seed has one, and how many have"
 
 
 def test_the_ablation_spec_trains_each_role_choice_and_the_kl_anchor_on_the_miniatures_settings():
