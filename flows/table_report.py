@@ -41,15 +41,16 @@ def task_outcomes(root: Path, stage: str) -> dict[str, dict]:
     return out
 
 
-def critic_auc(root: Path, stage: str) -> float | None:
-    """The held-out AUC of the critic behind a row (`diagnose@k`, k the row's iteration: flat `critic_auc`, a
-    hierarchy's low level, System 2 for Multi²), or None (no critic at that iteration, or not scored)."""
+def critic_auc(root: Path, stage: str) -> dict:
+    """{"critic_auc": the held-out AUC of the critic behind a row} (`diagnose@k`, k the row's iteration: flat
+    `critic_auc`, a hierarchy's low level, System 2 for Multi²; None where no held-out episode was won, or none
+    lost), or {} where no critic was diagnosed at that iteration."""
     k = int(stage.partition("@")[2])
     path = root / "metrics" / f"diagnose@{k}.json"
     if not k or not path.is_file():
-        return None
+        return {}
     d = json.loads(path.read_text())
-    return d.get("critic_auc", d.get("low_critic_auc"))
+    return {"critic_auc": d.get("critic_auc", d.get("low_critic_auc"))}
 
 
 def gather(spec: Spec, out: Path) -> list[dict]:
@@ -77,7 +78,7 @@ def gather(spec: Spec, out: Path) -> list[dict]:
                 "expert_env_steps": experts,
                 "own_env_steps": first["cumulative_env_steps"] - experts,
                 "generated_tokens": first.get("cumulative_generated_tokens", 0),
-                **({"critic_auc": auc} if (auc := critic_auc(root, row.stage)) is not None else {}),
+                **critic_auc(root, row.stage),
             })
         results.append({"row": row.name, "workspace": row.workspace, "stage": row.stage, "against": spec.against(row), "seeds": seeds})
     return results
@@ -154,13 +155,16 @@ LEGEND = ("success %: pooled over seeds, with its 95 % Wilson interval at the sa
           "task's seeds, drawn again); an interval holding 0 does not tell the rows apart. env fail: episodes the environment "
           "failed, left out of the rates. critic AUC: how well the critic of the row's iteration ranks won above lost episodes "
           "it never trained on (`diagnose@k`, on the previous policy's evaluation episodes; a hierarchy's low level), mean "
-          "over seeds; 0.5 is chance.\n")
+          "over seeds; 0.5 is chance; n/a: no held-out episode was won, or none lost.\n")
 
 
 def auc_cell(seeds: list[dict]) -> str:
-    """The mean held-out critic AUC over the seeds that have one, and how many when not all; '' when none."""
+    """The mean held-out critic AUC over the seeds that have one, and how many when not all; n/a where the critic
+    was diagnosed but no seed's held-out episodes had both outcomes; '' where it had no critic."""
     aucs = [s["critic_auc"] for s in seeds if s.get("critic_auc") is not None]
-    return "" if not aucs else f"{statistics.mean(aucs):.2f}" + (f" ({len(aucs)} of {len(seeds)})" if len(aucs) < len(seeds) else "")
+    if not aucs:
+        return "n/a" if any("critic_auc" in s for s in seeds) else ""
+    return f"{statistics.mean(aucs):.2f}" + (f" ({len(aucs)} of {len(seeds)})" if len(aucs) < len(seeds) else "")
 
 
 def env_failures(seeds: list[dict], splits: tuple[str, ...]) -> int:
