@@ -320,9 +320,11 @@ def test_a_tables_seeds_run_apart_and_their_results_join_into_one_table(tmp_path
 
     spec = load_spec(REPO / "benchmarks" / "multi2.yaml")
     one = only_seeds(spec, [1])
-    assert one.seeds == [1] and {n: ws.seeds for n, ws in one.workspaces.items()} == {"flat": 1, "multi2": 1}, "Q-Evolve and free run seed 0 only"
-    assert {r.workspace for r in one.rows} == {"flat", "multi2"}
-    assert {n: ws.seeds for n, ws in only_seeds(spec, [0, 2]).workspaces.items()} == {"flat": 2, "qevolve": 1, "multi2": 2, "free": 1, "compat": 1}
+    assert one.seeds == [1] and {n: ws.seeds for n, ws in one.workspaces.items()} == {"flat": 1, "multi2": 1, "balanced": 1}, \
+        "Q-Evolve, free and compat run seed 0 only"
+    assert {r.workspace for r in one.rows} == {"flat", "multi2", "balanced"}
+    assert {n: ws.seeds for n, ws in only_seeds(spec, [0, 2]).workspaces.items()} == {"flat": 2, "qevolve": 1, "multi2": 2, "balanced": 2, "free": 1,
+                                                                                     "compat": 1}
     with pytest.raises(ConfigError, match=r"--seed: \[7\] not among the spec's seeds \[0, 1, 2\]"):
         only_seeds(spec, [7])
     with pytest.raises(ConfigError, match=r"workspaces.multi2.match_env_steps: qevolve's first seed has not run in .*pass --env-steps N"):
