@@ -30,12 +30,17 @@ from qevolve.envs.terminal_import import APP, FETCHING, REPORT, _instructions, _
 STRATUM = re.compile(r"_(easy|medium|hard)(_\d+)?$")
 
 
+def stratum(name: str) -> str:
+    """A task folder's difficulty, from its name (`STRATUM`), else `other`."""
+    return m.group(1) if (m := STRATUM.search(name)) else "other"
+
+
 def stratified(names: list[str], n: int, seed: int) -> list[str]:
-    """`n` of `names` (all of them if fewer), each stratum (`STRATUM`, else `other`) in proportion to its size,
-    the remainders to the largest fractions, drawn with `seed`."""
+    """`n` of `names` (all of them if fewer), each `stratum` in proportion to its size, the remainders to the
+    largest fractions, drawn with `seed`."""
     strata: dict[str, list[str]] = {}
     for name in sorted(names):
-        strata.setdefault(m.group(1) if (m := STRATUM.search(name)) else "other", []).append(name)
+        strata.setdefault(stratum(name), []).append(name)
     n = min(n, len(names))
     exact = {k: n * len(v) / len(names) for k, v in strata.items()}
     take = {k: int(x) for k, x in exact.items()}
@@ -93,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copytree(args.folder / name, src / name, symlinks=True)
         counts = import_tasks(src, Path(tmp) / "dest", "sample", TerminalConfig(sandbox=args.sandbox))
         report = json.loads((Path(tmp) / "dest" / "sample" / REPORT).read_text())
-    strata = Counter(m.group(1) if (m := STRATUM.search(n)) else "other" for n in sample)
+    strata = Counter(stratum(n) for n in sample)
     oracles = sum((args.folder / n / "solution" / "solve.sh").is_file() or (args.folder / n / "solution.sh").is_file() for n in names)
     print(f"{args.folder}: {len(sample)} of {len(names)} task folders ({', '.join(f'{k} {v}' for k, v in sorted(strata.items()))}), "
           f"seed {args.seed}, gate in {args.sandbox}; {oracles} of the {len(names)} have an oracle\n")

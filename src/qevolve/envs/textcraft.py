@@ -71,7 +71,7 @@ def _goals(scheme: str = "hash") -> dict[str, tuple[str, int]]:
     test = set()
     for depth in sorted(set(depths.values())):
         ranked = sorted((item for item, d in depths.items() if d == depth), key=lambda i: (_hash(i), i))
-        test |= set(ranked[: math.ceil(TEST_SHARE.get(depth, TEST_SHARE[max(TEST_SHARE)]) * len(ranked))])
+        test |= set(ranked[: math.ceil(TEST_SHARE[depth] * len(ranked))])
     return {item: ("test" if item in test else "train", d) for item, d in depths.items()}
 
 

@@ -77,8 +77,8 @@ def teacher(params: Params, instances_dir: Path, out: Path, metrics_path: Path) 
     cfg = params.terminaltraj.teacher
     env = TerminalEnv(str(instances_dir), params.env.terminal, params.env.max_steps)
     tasks = env.tasks("train")
-    without = [t.id for t in tasks if not has_oracle(Path(instances_dir) / t.split / t.id)]
-    if cfg.kind == "scripted" and without:
+    without = [t.id for t in tasks if not has_oracle(Path(instances_dir) / t.split / t.id)] if cfg.kind == "scripted" else []
+    if without:
         raise TaskError(f"{instances_dir}/train: {len(without)} validator-only tasks (no {ORACLE}: {', '.join(without[:3])}); the scripted "
                         "teacher (terminaltraj.teacher.kind: scripted) plays a task's oracle: use kind `llm` for them")
     trajs, tests = [], {}
