@@ -155,6 +155,21 @@ def test_where_environments_and_policy_replicas_run_is_not_part_of_a_stages_line
     assert f"- {section}." in dvcfile.render(parse_params(raw))  # the rest of the section stays a dep, key by key
 
 
+def _wait_dead(actor, seconds: float = 30.0) -> None:
+    """Until `actor` answers no more (a killed Ray actor dies asynchronously)."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=seconds)
+        except RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the actor still answers {seconds:g} s after ray.kill")
+
+
 def test_policy_replicas_play_the_same_episodes_as_the_stages_process(tmp_path, tiny_base, ray_cluster):
     """R = 2 replicas (slot s on replica s % 2) and the stage's own process: the same sampled episodes, in
     both action modes, since each episode samples from its own seed."""
@@ -183,5 +198,6 @@ def test_policy_replicas_play_the_same_episodes_as_the_stages_process(tmp_path, 
     import ray
 
     ray.kill(backends[2][0].replicas[1])  # a dead replica fails the stage, naming it
+    _wait_dead(backends[2][0].replicas[1])  # ray.kill only asks: a call sent at once can still be answered
     with pytest.raises(RuntimeError, match="policy replica 1 of 2 died during score"):
         backends[2][0].score([0, 1], [[1, 2], [1, 2]], [[[3]], [[3]]])
