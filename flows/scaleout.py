@@ -36,6 +36,7 @@ import sys
 from prefect import flow, get_run_logger
 
 from qevolve.data.atomic import atomic_path
+from qevolve.envs.task_images import REGISTRY_ENV
 from tasks.scaleout import DEPLOYMENT, ROOT, SRC, Remote, carried_path, code_digest, stage_inputs, use_remote, worker_root
 
 
@@ -48,10 +49,11 @@ def _run_name() -> str:
 
 
 @flow(name=DEPLOYMENT, flow_run_name=_run_name)
-def remote_stage(stage: str, iteration: int | None, files: dict[str, str], code: str, remote: dict, workspace: str) -> dict:
+def remote_stage(stage: str, iteration: int | None, files: dict[str, str], code: str, remote: dict, workspace: str, registry: str = "") -> dict:
     """A stage of an evolution run on this worker: in a workspace of its own (under `QEVOLVE_WORKER_DIR`,
     default ~/.qevolve/workers), from the orchestrator's files and the remote's data; its outputs and
-    run-cache entry are pushed to the remote."""
+    run-cache entry are pushed to the remote. `registry`: where terminal tasks' images are shared (scaleout.yaml's
+    `images`)."""
     import shutil
 
     from qevolve.stages import stage_name
@@ -78,6 +80,8 @@ def remote_stage(stage: str, iteration: int | None, files: dict[str, str], code:
 
         subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=root, check=True)
     use_remote(root, Remote(**remote))
+    if registry:
+        os.environ[REGISTRY_ENV] = registry
     os.chdir(root)
     with dvc_repo(root) as repo, remote_errors(remote["url"], f"{name}: pulling its inputs"):
         repo.pull(targets=stage_inputs(repo, name)[0])

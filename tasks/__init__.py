@@ -11,6 +11,7 @@ and `dvc repro` / `dvc status` see the same state.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from prefect import get_run_logger, task
 
 from qevolve import paths
 from qevolve.config import load_params
+from qevolve.envs.task_images import REGISTRY_ENV
 from qevolve.stages import run_stage, stage_name
 from tasks.dvc import RemoteUnreachable, dvc_repo, push_stage, restore_changed_outputs, restore_from_run_cache, remote_errors, stage_is_current
 from tasks.scaleout import dispatch, load_settings
@@ -51,6 +53,8 @@ def run_pipeline_stage(stage: str, iteration: int | None = None, root: str = "."
     name = stage_name(stage, iteration)
     logger = get_run_logger()
     scaleout = load_settings(root_path)
+    if scaleout.images:  # terminal tasks' images: shared through the registry, never part of a stage's lineage
+        os.environ[REGISTRY_ENV] = scaleout.images.registry
     result = {"stage": name, "ran": False}
     if stage_is_current(root_path, name):
         logger.info("%s is up to date in DVC (same code, params and inputs as dvc.lock): not run", name)
@@ -64,7 +68,7 @@ def run_pipeline_stage(stage: str, iteration: int | None = None, root: str = "."
         return {**result, "metrics": json.loads((root_path / paths.metrics(name)).read_text())}
     elif stage in scaleout.pools:
         pool = scaleout.pools[stage]
-        result["flow_run_id"] = dispatch(root_path, stage, iteration, pool, scaleout.remote)
+        result["flow_run_id"] = dispatch(root_path, stage, iteration, pool, scaleout.remote, scaleout.images.registry if scaleout.images else "")
         if not restore_from_run_cache(root_path, name, scaleout.remote.url):
             raise RuntimeError(f"{name} ran on work pool {pool!r}, but the remote {scaleout.remote.url} holds no run of it with this "
                                "workspace's code, params and inputs")

@@ -30,9 +30,17 @@ class Remote(BaseModel):
     """An S3-compatible server's URL (MinIO, moto); credentials come from the environment (AWS_ACCESS_KEY_ID, ...)."""
 
 
+class Images(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    registry: str
+    """Where the workers share terminal tasks' images (`registry.lab:5000/qevolve`): one missing on a machine is pulled
+    from it before it is built, and one built is pushed to it (`qevolve.envs.task_images`)."""
+
+
 class Scaleout(BaseModel):
     model_config = ConfigDict(extra="forbid")
     remote: Remote | None = None
+    images: Images | None = None
     pools: dict[str, str] = {}
     """Stage name (without `@k`) -> the Prefect work pool it runs on; a stage not named runs in the flow."""
 
@@ -120,7 +128,7 @@ def carried_path(root: Path, rel: str) -> Path:
     return root / rel
 
 
-def dispatch(root: Path, stage: str, iteration: int | None, pool: str, remote: Remote) -> str:
+def dispatch(root: Path, stage: str, iteration: int | None, pool: str, remote: Remote, registry: str = "") -> str:
     """Run the stage on `pool`'s worker (a sub-flow of the calling flow) after pushing its inputs, and
     wait for it; the flow run's id, or an error unless it completed. Each call is a new flow run, so a
     rerun after a crashed worker is a new attempt."""
@@ -134,7 +142,8 @@ def dispatch(root: Path, stage: str, iteration: int | None, pool: str, remote: R
     run = run_deployment(
         f"{DEPLOYMENT}/{pool}", as_subflow=True, timeout=None,
         parameters={"stage": stage, "iteration": iteration, "files": carried_files(root, name), "code": code_digest(root / SRC),
-                    "remote": remote.model_dump(), "workspace": hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]},
+                    "remote": remote.model_dump(), "workspace": hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16],
+                    "registry": registry},
     )
     if not run.state.is_completed():
         raise RuntimeError(f"{name}: its run on work pool {pool!r} ended {run.state.name} (flow run {run.id}: "

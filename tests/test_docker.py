@@ -1,6 +1,7 @@
 """docker/: the compose stack is wired to what the code reads, and (slow tier, where a Docker engine runs)
 the worker image builds from a local base and holds the project, its environments and the scale-out stack."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -83,16 +84,22 @@ def _engine() -> bool:
     return shutil.which("docker") is not None and subprocess.run(["docker", "info"], capture_output=True).returncode == 0
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not _engine(), reason="no Docker engine runs here (install docker.io and start dockerd to run this test)")
-def test_the_worker_image_builds_from_a_local_base_and_holds_the_project(tmp_path):
+def _base() -> str:
     """The base: $QEVOLVE_DOCKER_BASE, else qevolve-base:bookworm (made by docker/base.sh if missing and
-    debootstrap is at hand). A CPU torch wheel found in pip's find-links goes in the context's wheels/."""
+    debootstrap is at hand)."""
     base = os.environ.get("QEVOLVE_DOCKER_BASE", "qevolve-base:bookworm")
     if subprocess.run(["docker", "image", "inspect", base], capture_output=True).returncode != 0:
         if base != "qevolve-base:bookworm" or not shutil.which("debootstrap"):
             pytest.skip(f"no base image {base} and no debootstrap to make one")
         subprocess.run([str(DOCKER / "base.sh"), base], check=True)
+    return base
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _engine(), reason="no Docker engine runs here (install docker.io and start dockerd to run this test)")
+def test_the_worker_image_builds_from_a_local_base_and_holds_the_project(tmp_path):
+    """A CPU torch wheel found in pip's find-links goes in the context's wheels/."""
+    base = _base()
     context = tmp_path / "context"
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     for f in files:
@@ -115,3 +122,41 @@ def test_the_worker_image_builds_from_a_local_base_and_holds_the_project(tmp_pat
     digest, data, pool = out.stdout.split("\n")[:3]
     assert digest == code_digest(REPO / "src")  # the worker runs the orchestrator's code, or refuses
     assert data == "/data/alfworld /work" and pool == "gpu"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _engine(), reason="no Docker engine runs here (install docker.io and start dockerd to run this test)")
+def test_a_task_image_builds_from_its_dockerfile_and_the_task_plays_in_it(tmp_path):
+    """`qevolve terminal-import --build`: a Harbor task whose Dockerfile installs its validators' pytest from the Debian
+    mirror, FROM an image this machine cannot pull, mapped onto the local base; the sanity gate plays its oracle and a
+    do-nothing agent in containers of the built image. `--build-network host`: this machine's dockerd has no bridge."""
+    from qevolve.cli import main
+    from qevolve.envs.task_images import image_tag
+
+    base = _base()
+    task = tmp_path / "src" / "count-lines"
+    for d in ("environment", "tests", "solution"):
+        (task / d).mkdir(parents=True)
+    (task / "instruction.md").write_text("Write the number of lines of /srv/task/data.txt to /srv/task/count.txt.\n")
+    (task / "task.toml").write_text('version = "1.0"\n[metadata]\ncategory = "text"\n[verifier]\ntimeout_sec = 60.0\n')
+    (task / "environment" / "Dockerfile").write_text(
+        "FROM ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624\n"
+        "RUN apt-get update && apt-get install -y --no-install-recommends python3-pytest && rm -rf /var/lib/apt/lists/*\n"
+        "WORKDIR /srv/task\nCOPY data.txt /srv/task/data.txt\n")
+    (task / "environment" / "data.txt").write_text("a\nb\nc\nd\n")
+    (task / "tests" / "test_count.py").write_text("from pathlib import Path\n\ndef test_count():\n"
+                                                  "    assert Path('/srv/task/count.txt').read_text().strip() == '4'\n")
+    (task / "solution" / "solve.sh").write_text("wc -l < data.txt > count.txt\n")
+    dest = tmp_path / "tasks"
+    assert main(["terminal-import", str(task.parent), str(dest), "--build", "--base", f"ghcr.io/laude-institute/t-bench/ubuntu-24-04={base}",
+                 "--build-network", "host"]) == 0
+    report = json.loads((dest / "test" / "import.json").read_text())["count-lines"]
+    tag = image_tag("count-lines", dest / "test" / "count-lines" / "environment")
+    assert report["status"] == "imported" and report["image"] == tag, report
+    assert f"docker build --network host -t {tag}" in (dest / "test" / "count-lines.build.log").read_text(), "the build's log is kept"
+    inspect = subprocess.run(["docker", "image", "inspect", "--format", "{{.Created}}", tag], capture_output=True, text=True, check=True).stdout
+    assert main(["terminal-import", str(task.parent), str(dest), "--split", "again", "--build", "--base",
+                 f"ghcr.io/laude-institute/t-bench/ubuntu-24-04={base}", "--build-network", "host", "--no-gate"]) == 0
+    assert not (dest / "again" / "count-lines.build.log").exists(), "built once: the second import found the image"
+    assert subprocess.run(["docker", "image", "inspect", "--format", "{{.Created}}", tag], capture_output=True, text=True).stdout == inspect
+    subprocess.run(["docker", "rmi", "-f", tag], capture_output=True)

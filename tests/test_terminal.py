@@ -1,6 +1,7 @@
 """The terminal environment: the sandbox's promises on the real bubblewrap backend, task folders, the
 oracle's steps and the validators' verdict."""
 
+import json
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ from qevolve.config import TerminalConfig
 from qevolve.envs.base import Task
 from qevolve.envs.sandbox import Limits, Session, SandboxError, clip
 from qevolve.envs.terminal import SUBMIT, TaskError, TerminalEnv, oracle_steps, read_task
+from qevolve.envs.terminal_import import REPORT, import_tasks
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (scripts/setup.sh installs it where it can)")
 
@@ -830,3 +832,107 @@ def test_the_verification_miniature_spec_shares_its_rollouts_and_reports_test_an
     assert "tokens per test episode" in head
     # Wilson: 6 of 12 is [25.4, 74.6], 0 of 20 is [0, 16.1]; a table of one row compares it with none
     assert line.startswith("| 1 | BC, 50 kept by the judge | 1 | 50.0 [25.4, 74.6] (6/12) |  | 0.500 | 0.0 [0.0, 16.1] (0/20) |  | 0.250 | 0 | 0 | 10 | 300 |")
+
+
+def test_base_mapping_and_content_addressed_tags(tmp_path):
+    from qevolve.envs.task_images import context_digest, image_tag, map_base, parse_base
+
+    base = parse_base(["ghcr.io/laude-institute/t-bench/ubuntu-24-04=qevolve-base:bookworm", "python:3.11-slim=py:local", "*=fallback:1"])
+    dockerfile = ("FROM ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624 AS build\nRUN make\n"
+                  "FROM --platform=linux/amd64 python:3.11-slim\nCOPY --from=build /out /out\nFROM build\nFROM alpine@sha256:ab\n")
+    assert map_base(dockerfile, base) == ("FROM qevolve-base:bookworm AS build\nRUN make\nFROM --platform=linux/amd64 py:local\n"
+                                          "COPY --from=build /out /out\nFROM build\nFROM fallback:1\n"), "untagged, exact, a stage left alone, *"
+    assert map_base(dockerfile, ()) == dockerfile
+    for bad in (["no-equals"], ["=x"], ["a= b"]):
+        with pytest.raises(ValueError, match=r"--base .*expected ORIGINAL=LOCAL"):
+            parse_base(bad)
+    a, b = tmp_path / "a", tmp_path / "b"
+    (a / "sub").mkdir(parents=True)
+    (a / "Dockerfile").write_text("FROM x\n")
+    (a / "sub" / "run.sh").write_text("echo\n")
+    shutil.copytree(a, b)
+    tag = image_tag("Harbor Task_1!", a)
+    assert tag == image_tag("Harbor Task_1!", b) and re.fullmatch(r"qevolve-task/harbor-task-1:[0-9a-f]{20}", tag), "same content, same tag"
+    (b / "sub" / "run.sh").chmod(0o755)
+    assert context_digest(b) != context_digest(a), "the executable bit counts"
+    (b / "sub" / "run.sh").chmod(0o644)
+    (b / "Dockerfile").write_text("FROM y\n")
+    assert context_digest(b) != context_digest(a), "so does the Dockerfile"
+    (b / "Dockerfile").write_text("FROM x\n")
+    (b / "sub" / "link").symlink_to("run.sh")
+    assert context_digest(b) != context_digest(a) and image_tag("..", a).startswith("qevolve-task/task:")
+
+
+def _image_task(root, name, dockerfile):
+    """A Harbor task run in its own image: data.txt comes in by COPY to the WORKDIR /srv/task."""
+    t = root / name
+    for d in ("environment", "tests", "solution"):
+        (t / d).mkdir(parents=True)
+    (t / "instruction.md").write_text("Write the number of lines of data.txt to count.txt.\n")
+    (t / "task.toml").write_text('version = "1.0"\n[metadata]\ncategory = "text"\n[environment]\nbuild_timeout_sec = 600.0\n')
+    (t / "environment" / "Dockerfile").write_text(dockerfile)
+    (t / "environment" / "data.txt").write_text("a\nb\nc\n")
+    (t / "tests" / "test_count.py").write_text("from pathlib import Path\n\ndef test_count():\n"
+                                              "    assert Path('/srv/task/count.txt').read_text().strip() == '3'\n")
+    (t / "solution" / "solve.sh").write_text("wc -l < data.txt > count.txt\n")
+    return t
+
+
+@needs_bwrap
+def test_import_with_build_runs_each_task_in_its_image_built_once_and_reports_a_failed_build(tmp_path, fake_docker):
+    from qevolve.envs.task_images import image_tag
+
+    src = tmp_path / "src"
+    good = "FROM ghcr.io/acme/ubuntu-24-04:2025\nRUN apt-get update && apt-get install -y python3-pytest\nWORKDIR /srv/task\nCOPY data.txt /srv/task/data.txt\n"
+    _image_task(src, "count", good)
+    _image_task(src, "broken", "FROM ghcr.io/acme/ubuntu-24-04:2025\nRUN false\n")
+    cfg = TerminalConfig(command_timeout=5, build_network="host")
+    counts = import_tasks(src, tmp_path / "tasks", "test", cfg, build=(("ghcr.io/acme/ubuntu-24-04", "local-base:1"),))
+    assert counts == {"imported": 1, "build_failed": 1}
+    report = json.loads((tmp_path / "tasks" / "test" / REPORT).read_text())
+    tag = image_tag("count", tmp_path / "tasks" / "test" / "count" / "environment")
+    assert report["count"] == {"status": "imported", "oracle": True, "reason": "", "image": tag, "build_log": "count.build.log"}
+    assert report["broken"]["status"] == "build_failed" and "docker build exited with status 1" in report["broken"]["reason"]
+    assert "returned a non-zero code" in report["broken"]["reason"] and not (tmp_path / "tasks" / "test" / "broken").exists()
+    assert "returned a non-zero code" in (tmp_path / "tasks" / "test" / "broken.build.log").read_text(), "the log is kept"
+    imported = tmp_path / "tasks" / "test" / "count" / "environment" / "Dockerfile"
+    assert imported.read_text() == good.replace("ghcr.io/acme/ubuntu-24-04:2025", "local-base:1"), "built FROM the mapped base"
+    builds = [c for c in fake_docker() if c[0] == "build"]
+    assert len(builds) == 2 and builds[0][1:3] == ["--network", "host"]
+    runs = [c for c in fake_docker() if c[0] == "run"]
+    assert len(runs) == 6 and all(tag in r and "--read-only" in r and "-w" in r and r[r.index("-w") + 1] == "/srv/task" for r in runs), \
+        "the gate's three episodes and their validators ran in the task's image, at its working directory"
+
+    import_tasks(src, tmp_path / "tasks", "again", cfg, build=(("ghcr.io/acme/ubuntu-24-04", "local-base:1"),), gate=False)
+    assert len([c for c in fake_docker() if c[0] == "build"]) == 3, "the same task's image is not built again; the failed one is"
+    env = TerminalEnv(str(tmp_path / "tasks"), TerminalConfig(command_timeout=5), 5)  # the default sandbox (bwrap): the image task runs in docker
+    obs, steps = _play(env, Task("count", "test", "text"), ["cat data.txt | wc -l", "wc -l < data.txt > count.txt", SUBMIT])
+    assert "data.txt" in obs.text and "Dockerfile" not in obs.text, "the image's working directory, not its build context"
+    assert steps[0].observation.startswith("3") and steps[-1].won
+    env.close()
+    with pytest.raises(TaskError, match=r"count/environment/Dockerfile: this task runs in its own image"):
+        TerminalEnv(str(tmp_path / "tasks"), TerminalConfig(sandbox="local"), 5).reset(Task("count", "test", "text"))
+    (tmp_path / "tasks" / "test" / "count" / "environment" / "data.txt").write_text("changed\n")
+    env = TerminalEnv(str(tmp_path / "tasks"), TerminalConfig(command_timeout=5), 5)
+    env.reset(Task("count", "test", "text"))
+    env.close()
+    assert len([c for c in fake_docker() if c[0] == "build"]) == 4, "a changed context is a new image, built when its episode starts"
+
+
+def test_a_registry_shares_task_images_so_a_task_is_built_once_between_machines(tmp_path, fake_docker, monkeypatch):
+    from qevolve.envs.task_images import REGISTRY_ENV, ensure, image_tag
+    from tasks.scaleout import Scaleout
+
+    context = tmp_path / "environment"
+    context.mkdir()
+    (context / "Dockerfile").write_text("FROM local-base:1\nWORKDIR /app\n")
+    tag, remote = image_tag("t", context), f"registry.lab:5000/qevolve/{image_tag('t', context)}"
+    monkeypatch.setenv(REGISTRY_ENV, "registry.lab:5000/qevolve/")
+    assert ensure(tag, context, tmp_path / "one.log") == ""
+    calls = fake_docker()
+    assert [c[0] for c in calls if c[0] in ("pull", "build", "push")] == ["pull", "build", "push"] and ["push", remote] in calls
+    (tmp_path / "docker-state" / "images.json").write_text("{}")  # another machine: nothing built there
+    assert ensure(tag, context, tmp_path / "two.log") == "" and not (tmp_path / "two.log").exists()
+    assert [c[0] for c in fake_docker() if c[0] in ("pull", "build", "push")] == ["pull", "build", "push", "pull"], "pulled, not built"
+    assert ["tag", remote, tag] in fake_docker()
+    assert Scaleout.model_validate({"images": {"registry": "registry.lab:5000/qevolve"}}).images.registry == "registry.lab:5000/qevolve"

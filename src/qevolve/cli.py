@@ -38,6 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("dest", type=Path, help="the terminal tasks' folder (env.data_dir); the split must be new")
     imp.add_argument("--split", default="test")
     imp.add_argument("--sandbox", default="bwrap", choices=["bwrap", "local"], help="the sandbox the sanity gate runs in (bwrap, or local: no isolation)")
+    imp.add_argument("--build", action="store_true", help="build each task's image from its Dockerfile (a Docker engine; the content-addressed "
+                     "tag qevolve-task/<task>:<digest> is built once) and run the task in it, instead of importing only what reduces to files")
+    imp.add_argument("--base", action="append", default=[], metavar="ORIGINAL=LOCAL",
+                     help="with --build: build FROM LOCAL where a Dockerfile names ORIGINAL (without a tag: any tag of it; *: every base), "
+                          "for machines that cannot pull it (e.g. onto qevolve-base:bookworm from docker/base.sh); repeatable")
+    imp.add_argument("--build-network", default="default", help="with --build: the network of `docker build` (default: Docker's bridge; "
+                     "host where dockerd runs without one: the build then reaches this host's loopback services too)")
+    imp.add_argument("--build-timeout", type=float, default=1800.0, help="with --build: seconds a task's build may take")
     imp.add_argument("--no-gate", action="store_true", help="skip the sanity gate (the oracle passes, a do-nothing agent fails, the oracle passes again; "
                      "without an oracle: a do-nothing agent fails twice the same way)")
     parser.add_argument("--debug", action="store_true", help="show the traceback of a known error (also QEVOLVE_DEBUG=1)")
@@ -60,9 +68,18 @@ def _command(args) -> int:
 
     if args.command == "terminal-import":
         from qevolve.config import TerminalConfig
-        from qevolve.envs.terminal_import import REPORT, import_tasks
+        from qevolve.envs.terminal_import import REPORT, TaskImportError, import_tasks
 
-        counts = import_tasks(args.src, args.dest, args.split, TerminalConfig(sandbox=args.sandbox), gate=not args.no_gate)
+        from qevolve.envs.task_images import parse_base
+
+        if args.base and not args.build:
+            raise TaskImportError("--base maps the images a Dockerfile builds FROM: it needs --build")
+        try:
+            base = parse_base(args.base) if args.build else None
+            terminal = TerminalConfig(sandbox=args.sandbox, build_network=args.build_network, build_timeout=args.build_timeout)
+        except ValueError as err:
+            raise TaskImportError(str(err)) from None
+        counts = import_tasks(args.src, args.dest, args.split, terminal, gate=not args.no_gate, build=base)
         print(f"{args.dest / args.split}: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
               + f" (each task's reason and oracle in {REPORT}; a validator-only task gives no expert demonstration)")
         return 0

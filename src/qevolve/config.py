@@ -77,7 +77,9 @@ class TerminalConfig(Section):
     """`bwrap` (bubblewrap: no network, read-only system, own user and PID namespace), `docker` (a container of
     `image`), or `local`: no isolation at all."""
     image: str = ""
-    """`docker`: the image each episode's container runs; it must hold bash, python3 and pytest (it is not pulled)."""
+    """`docker`: the image each episode's container runs; it must hold bash, python3 and pytest (it is not pulled). A task
+    with its own Dockerfile (`environment/Dockerfile`, from `qevolve terminal-import --build`) runs in its own image
+    instead, under any sandbox but `local`."""
     command_timeout: float = Field(30.0, gt=0)
     """Seconds a command may run before its processes are killed (the shell survives)."""
     episode_timeout: float = Field(360.0, gt=0)
@@ -99,6 +101,11 @@ class TerminalConfig(Section):
     one; the validators never do."""
     verifier_timeout: float = Field(600.0, gt=0)
     """The most seconds the validators may take, whatever a task's `[verifier] timeout_sec` says."""
+    build_network: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    """The network `docker build` gives a task built from its Dockerfile (`qevolve.envs.task_images`): `default`, Docker's
+    bridge, or `host` where the engine has none (its commands then reach this host's loopback services too)."""
+    build_timeout: float = Field(1800.0, gt=0)
+    """Seconds a task image's build may take."""
 
 
 class TextCraftConfig(Section):

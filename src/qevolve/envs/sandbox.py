@@ -13,7 +13,8 @@ Backends (`env.terminal.sandbox`):
   read-only, for validators. As root, bwrap makes no user namespace (its uid 1000 would be host root):
   it sets the sandbox up as root and the shell drops to nobody (`setpriv`, every capability gone).
 - `docker`: a container of `env.terminal.image` (which must hold bash, python3 and pytest: images are not
-  pulled) with the episode folder at /app, no network, a read-only root, a tmpfs /tmp, every capability
+  pulled), or of a task's own image (`qevolve.envs.task_images`), with the episode folder at /app (a task
+  image's working directory), no network, a read-only root, a tmpfs /tmp, every capability
   dropped, memory, process and file-size limits, run as this host's user (nobody's when that is root); a timed-out command's
   processes are killed from inside (`docker exec … kill -9 -1`: everything but the shell, PID 1), and
   closing removes the container.
@@ -139,17 +140,18 @@ def clip(raw: bytes, budget: int, omitted: int = 0, tail: bytes = b"") -> str:
     return ANSI.sub(b"", raw).decode("utf-8", errors="replace")
 
 
-def available(backend: str, image: str = "") -> str | None:
-    """None when `backend` can run here, else why not (and how to fix it)."""
+def available(backend: str, image: str | None = "") -> str | None:
+    """None when `backend` can run here with `image`, else why not (and how to fix it); `image` None: whichever
+    image a task needs (its own, or env.terminal.image), checked when its episode starts."""
     if backend not in BACKENDS:
         return f"unknown sandbox {backend!r}; expected one of {list(BACKENDS)}"
     if backend == "bwrap" and shutil.which("bwrap") is None:
         return "bubblewrap (`bwrap`) is not installed: `apt-get install bubblewrap` (Debian/Ubuntu), or env.terminal.sandbox: local without isolation"
     if backend == "docker":
-        if not image:
-            return "docker needs env.terminal.image, an image with bash, python3 and pytest"
         if shutil.which("docker") is None:
             return "the `docker` command is not installed"
+        if not image:
+            return None if image is None else "docker needs env.terminal.image, an image with bash, python3 and pytest"
         try:
             done = subprocess.run(["docker", "image", "inspect", image], capture_output=True, text=True, timeout=30)
         except subprocess.TimeoutExpired:
@@ -191,15 +193,17 @@ class _Capture:
 
 
 class Session:
-    """A persistent bash in a sandbox over `workdir` (mounted at /app under bwrap and docker). `mounts`:
-    more host folders as (host path, path inside, writable); `where` says where the shell sees them."""
+    """A persistent bash in a sandbox over `workdir` (mounted at /app under bwrap; under docker at `inside`, a task
+    image's working directory). `mounts`: more host folders as (host path, path inside, writable); `where` says
+    where the shell sees them."""
 
     def __init__(self, backend: str, workdir: Path, limits: Limits = Limits(), output_bytes: int = 10_000, image: str = "",
-                 mounts: tuple[tuple[Path, str, bool], ...] = ()):
+                 mounts: tuple[tuple[Path, str, bool], ...] = (), inside: str = "/app"):
         why = available(backend, image)
         if why:
             raise SandboxError(f"env.terminal.sandbox: {why}")
         self.backend, self.workdir, self.limits, self.output_bytes, self.image = backend, Path(workdir).resolve(), limits, output_bytes, image
+        self.inside = inside if backend == "docker" else "/app"
         self.mounts = tuple((Path(host).resolve(), inside, writable) for host, inside, writable in mounts)
         self.container = f"qevolve-{os.getpid()}-{secrets.token_hex(6)}" if backend == "docker" else None
         self.cgroups = _cgroups(limits) if backend == "bwrap" else []
@@ -212,7 +216,7 @@ class Session:
     @property
     def app(self) -> str:
         """The working directory as the shell sees it."""
-        return str(self.workdir) if self.backend == "local" else "/app"
+        return str(self.workdir) if self.backend == "local" else self.inside
 
     def where(self, inside: str) -> str:
         """Where the shell sees the mount whose path inside is `inside` (the host path under `local`)."""
@@ -235,7 +239,7 @@ class Session:
                     "--cap-drop", "ALL", *(["--cpus", f"{lim.cpus:g}"] if lim.cpus else []),
                     "--security-opt", "no-new-privileges", "--user", f"{uid}:{uid}", "--memory", f"{lim.memory_mb}m",
                     "--pids-limit", str(lim.processes), "--ulimit", f"fsize={lim.file_mb << 20}", "--tmpfs", f"/tmp:size={lim.tmp_mb}m",
-                    "-v", f"{self.workdir}:/app", *mounts, "-w", "/app", "-e", "HOME=/app",
+                    "-v", f"{self.workdir}:{self.inside}", *mounts, "-w", self.inside, "-e", f"HOME={self.inside}",
                     *(a for k, v in SHELL_ENV.items() for a in ("-e", f"{k}={v}")), self.image, *shell]
 
         def data(text: str, inside: str) -> list[str]:

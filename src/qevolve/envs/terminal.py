@@ -8,7 +8,10 @@ A task is a folder in the Harbor / Terminal-Bench 2 layout, under `env.data_dir/
   up to `env.terminal`'s, and `allow_internet`, the host's network for the agent's sandbox only where
   `env.terminal.allow_internet` allows it (`task_limits`);
 - `environment/`: the files the episode starts with, copied into its working directory (/app), and an
-  optional `setup.sh` run there first (it is not left for the agent to read);
+  optional `setup.sh` run there first (it is not left for the agent to read). Or, holding a `Dockerfile`, the
+  build context of the task's own image (`qevolve terminal-import --build`): the episode then runs in a
+  container of that image (`qevolve.envs.task_images`; built or pulled when missing), in a copy of what the
+  image holds in its working directory, mounted there, and so do the validators, with the image's python3;
 - `tests/`: pytest validators of the end state, which the agent never sees;
 - `solution/solve.sh`: the oracle, one command per line (the expert's steps; a script whose lines do not
   each parse alone is one step). Optional: a task without one is *validator-only*. It can be played, evaluated,
@@ -46,6 +49,7 @@ from pathlib import Path
 
 from qevolve.envs.base import Observation, Step, Task, check_types
 from qevolve.envs.sandbox import Limits, SandboxError, Session, available, read_regular
+from qevolve.envs.task_images import ensure, export_workdir, image_tag, workdir
 
 SUBMIT = "submit"
 
@@ -148,6 +152,8 @@ class TerminalEnv:
         self.session: Session | None = None
         self.episode_dir: Path | None = None
         self.info: dict = {}
+        self.image: tuple[str, str] | None = None
+        self._images: dict[Path, tuple[str, str, tempfile.TemporaryDirectory]] = {}
 
     def tasks(self, split: str) -> list[Task]:
         folder = self.root / split
@@ -166,15 +172,18 @@ class TerminalEnv:
         self.close()
         self.folder = self.root / task.split / task.id
         self.meta = read_task(self.folder)
+        self.image = self._task_image()
         self.episode_dir = Path(tempfile.mkdtemp(prefix="qevolve-terminal-"))
         env_dir = self.folder / "environment"
-        if env_dir.is_dir():
+        if self.image:  # what the image holds in its working directory
+            shutil.copytree(self._images[self.folder][2].name, self.episode_dir, dirs_exist_ok=True, symlinks=True)
+        elif env_dir.is_dir():
             # links are copied as links: they resolve inside the sandbox, never to a host file's content
             shutil.copytree(env_dir, self.episode_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("setup.sh"), symlinks=True)
         self.session = self._sandbox()
         cfg = self.cfg
         setup = env_dir / "setup.sh"
-        if setup.is_file():
+        if setup.is_file() and not self.image:
             done = self.session.run(f"(\n{setup.read_text()}\n)", cfg.command_timeout * 4)
             if done.status != 0:
                 raise TaskError(f"{setup}: exited with status {done.status}: {done.output[-300:]!r}")
@@ -212,8 +221,28 @@ class TerminalEnv:
         return Step(text, 0.0, False, False, valid, list(self.candidates))
 
     def _sandbox(self, mounts: tuple = (), validators: bool = False) -> Session:
-        return Session(self.cfg.sandbox, self.episode_dir, task_limits(self.meta, self.cfg, validators), self.cfg.output_bytes, self.cfg.image,
-                       mounts)
+        backend, image, inside = ("docker", *self.image) if self.image else (self.cfg.sandbox, self.cfg.image, "/app")
+        return Session(backend, self.episode_dir, task_limits(self.meta, self.cfg, validators), self.cfg.output_bytes, image, mounts, inside)
+
+    def _task_image(self) -> tuple[str, str] | None:
+        """(image, its working directory) of a task built from its Dockerfile (`environment/Dockerfile`), made present
+        here (`qevolve.envs.task_images.ensure`) with what it holds there copied out once; None for a task of files."""
+        context = self.folder / "environment"
+        if not (context / "Dockerfile").is_file():
+            return None
+        if self.cfg.sandbox == "local":
+            raise TaskError(f"{context / 'Dockerfile'}: this task runs in its own image, in a docker container; env.terminal.sandbox: local runs none")
+        if self.folder not in self._images:
+            tag = image_tag(self.folder.name, context)
+            log = Path(tempfile.gettempdir()) / "qevolve-task-builds" / f"{tag.replace('/', '_').replace(':', '_')}.log"
+            why = ensure(tag, context, log, self.cfg.build_network, self.cfg.build_timeout)
+            if why:
+                raise TaskError(f"{context / 'Dockerfile'}: its image {tag} is not here and could not be made: {why}")
+            inside = workdir(tag)
+            template = tempfile.TemporaryDirectory(prefix="qevolve-image-")
+            export_workdir(tag, inside, Path(template.name))
+            self._images[self.folder] = (tag, inside, template)
+        return self._images[self.folder][:2]
 
     def _validate(self, why: str, text: str = "", valid: bool = True) -> Step:
         """End the agent's sandbox (every process in it), run the validators in a fresh one, and end the episode;
@@ -288,7 +317,7 @@ def create(cfg, expert: str | None) -> TerminalEnv:
 def check_data(cfg, generated: bool = False) -> None:
     """The sandbox works here and `env.data_dir` is set; its train tasks' types unless `generated` (a stage of
     the pipeline writes them)."""
-    if why := available(cfg.terminal.sandbox, cfg.terminal.image):
+    if why := available(cfg.terminal.sandbox, cfg.terminal.image or None):
         raise SandboxError(f"env.terminal.sandbox: {why}")
     if not cfg.data_dir:
         raise ValueError("env.data_dir: the terminal environment needs the folder of its <split>/<task id>/ task folders")

@@ -1,8 +1,10 @@
 """Import a local folder of Harbor / Terminal-Bench 2 tasks, or Terminal-Bench 1 tasks, as terminal tasks
 (`qevolve terminal-import SRC DEST`; the layout is `qevolve.envs.terminal`'s).
 
-Such a task's environment is a Docker image built from its Dockerfile. No image is built here: a task is
-imported when its Dockerfile reduces to what the bwrap sandbox can give, files and commands the host has:
+Such a task's environment is a Docker image built from its Dockerfile. With `build` (`--build`, a Docker engine)
+every task with a Dockerfile is imported with its build context and its image built (`qevolve.envs.task_images`),
+and runs in it; a failed build is that task's `build_failed`, with its log beside the task. Without, no image is
+built: a task is imported when its Dockerfile reduces to what the bwrap sandbox can give, files and commands the host has:
 - `FROM` (the host's system stands in for the image), `WORKDIR /app`, `ENV` (exported for the later
   `RUN`s of `setup.sh`, not into the agent's shell: the gate rejects a task whose oracle needs them),
   `COPY`/`ADD` of the build context's files into /app (copied into `environment/`), and `RUN` commands
@@ -28,6 +30,7 @@ import posixpath
 import re
 import shlex
 import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -35,6 +38,7 @@ import yaml
 from tqdm import tqdm
 
 from qevolve.data.atomic import atomic_dir, write_json
+from qevolve.envs.task_images import ensure, image_tag, map_base
 from qevolve.errors import UserError
 
 APP = "/app"
@@ -178,8 +182,11 @@ def _task_toml(meta: dict) -> str:
             f'[agent]\ntimeout_sec = {float(meta.get("max_agent_timeout_sec", 360))}\n\n[verifier]\ntimeout_sec = {float(meta.get("max_test_timeout_sec", 60))}\n')
 
 
-def convert(folder: Path, out: Path) -> None:
-    """Write `folder` (a task) as a terminal task at `out`, or raise `NeedsDocker` / `ValueError` (unsupported)."""
+def convert(folder: Path, out: Path, base: tuple[tuple[str, str], ...] | None = None) -> bool:
+    """Write `folder` (a task) as a terminal task at `out`, or raise `NeedsDocker` / `ValueError` (unsupported).
+    With `base` (a build's base mapping, `task_images.parse_base`), a task with a Dockerfile becomes a task run in
+    its own image: its build context as `environment/` (Harbor's `environment/`; a Terminal-Bench 1 task's folder
+    without its tests, solution and task.yaml), the Dockerfile's `FROM` mapped by `base`. True for such a task."""
     parts = _layout(folder)
     links = outward_links(folder)
     if links:
@@ -189,7 +196,8 @@ def convert(folder: Path, out: Path) -> None:
         raise ValueError(f"{folder / 'tests'}: no pytest validators (test_*.py)")
     if _compose_services(parts["compose"]) > 1:
         raise NeedsDocker(f"{parts['compose'].name}: {_compose_services(parts['compose'])} services")
-    files, setup = translate(parts["dockerfile"]) if parts["dockerfile"].is_file() else ([], [])
+    image = base is not None and parts["dockerfile"].is_file()
+    files, setup = translate(parts["dockerfile"]) if parts["dockerfile"].is_file() and not image else ([], [])
     if parts["kind"] == "harbor":
         tomllib.loads((folder / "task.toml").read_text())  # a malformed task.toml is an unsupported task
         instruction, toml = (folder / "instruction.md").read_text(), (folder / "task.toml").read_text()
@@ -199,7 +207,12 @@ def convert(folder: Path, out: Path) -> None:
             raise ValueError(f"{folder / 'task.yaml'}: instruction: expected the task's text")
         instruction, toml = meta["instruction"], _task_toml(meta)
     env = out / "environment"
-    env.mkdir(parents=True)
+    if image:
+        context = parts["dockerfile"].parent
+        skip = ("tests", "solution.sh", "task.yaml") if parts["kind"] == "tb1" else ()
+        shutil.copytree(context, env, symlinks=True, ignore=lambda top, names: [n for n in names if Path(top) == context and n in skip])
+        (env / "Dockerfile").write_text(map_base((env / "Dockerfile").read_text(), base))
+    env.mkdir(parents=True, exist_ok=True)
     for src, rel in files:
         target = env / rel if rel else env
         if src.is_dir():
@@ -215,15 +228,22 @@ def convert(folder: Path, out: Path) -> None:
         shutil.copy2(parts["solution"], out / "solution" / "solve.sh")
     (out / "instruction.md").write_text(instruction.strip() + "\n")
     (out / "task.toml").write_text(toml)
+    return image
 
 
-def import_tasks(src: Path, dest: Path, split: str = "test", terminal=None, max_steps: int = 40, gate: bool = True) -> dict:
+def import_tasks(src: Path, dest: Path, split: str = "test", terminal=None, max_steps: int = 40, gate: bool = True,
+                 build: tuple[tuple[str, str], ...] | None = None) -> dict:
     """Every task folder under `src` into `dest/<split>/<task id>/` (a new split, written whole or not at all);
     `dest/<split>/import.json` the report. The gate runs in `terminal`'s sandbox (an `env.terminal` config)
-    unless `gate` is False. Returns the counts by status."""
+    unless `gate` is False. With `build` (a base mapping, `task_images.parse_base`; () maps nothing), every task
+    with a Dockerfile gets its image built (`terminal`'s `build_network` and `build_timeout`; the log beside it,
+    `<task id>.build.log`) and runs in it; a failed build is that task's `build_failed`. Returns the counts by status."""
+    from qevolve.config import TerminalConfig
     from qevolve.envs.base import Task
     from qevolve.envs.terminal import TerminalEnv, has_oracle
     from qevolve.envs.terminal_tasks import gate as sanity_gate
+
+    terminal = terminal or TerminalConfig()
 
     src, dest = Path(src), Path(dest)
     folders = sorted(f for f in src.iterdir() if f.is_dir() and _layout(f)) if src.is_dir() else []
@@ -237,7 +257,7 @@ def import_tasks(src: Path, dest: Path, split: str = "test", terminal=None, max_
         try:
             for folder in tqdm(folders, desc="import", unit="task"):
                 try:
-                    convert(folder, tmp / folder.name)
+                    image = convert(folder, tmp / folder.name, build)
                 except NeedsDocker as err:
                     report[folder.name] = {"status": "needs_docker", "reason": str(err)}
                     continue
@@ -245,13 +265,24 @@ def import_tasks(src: Path, dest: Path, split: str = "test", terminal=None, max_
                     shutil.rmtree(tmp / folder.name, ignore_errors=True)
                     report[folder.name] = {"status": "unsupported", "reason": str(err)}
                     continue
-                oracle = has_oracle(tmp / folder.name)
-                why = sanity_gate(env, Task(folder.name, tmp.name, "imported")) if env else ""
+                oracle, made = has_oracle(tmp / folder.name), {}
+                if image:
+                    context, log = tmp / folder.name / "environment", tmp / f"{folder.name}.build.log"
+                    made = {"image": image_tag(folder.name, context), "build_log": log.name}
+                    failed = ensure(made["image"], context, log, terminal.build_network, terminal.build_timeout)
+                    if failed:
+                        shutil.rmtree(tmp / folder.name)
+                        report[folder.name] = {"status": "build_failed", "reason": failed, "oracle": oracle, **made}
+                        continue
+                try:
+                    why = sanity_gate(env, Task(folder.name, tmp.name, "imported")) if env else ""
+                except (UserError, ValueError, RuntimeError, OSError, subprocess.SubprocessError) as err:  # an environment that cannot start
+                    why, made["error"] = "environment_fails", f"{type(err).__name__}: {err}"[:500]
                 if why:
                     shutil.rmtree(tmp / folder.name)
-                    report[folder.name] = {"status": f"rejected_{why}", "reason": f"the sanity gate: {why.replace('_', ' ')}", "oracle": oracle}
+                    report[folder.name] = {"status": f"rejected_{why}", "reason": f"the sanity gate: {why.replace('_', ' ')}", "oracle": oracle, **made}
                 else:
-                    report[folder.name] = {"status": "imported", "oracle": oracle, "reason": "" if oracle else VALIDATOR_ONLY[bool(env)]}
+                    report[folder.name] = {"status": "imported", "oracle": oracle, "reason": "" if oracle else VALIDATOR_ONLY[bool(env)], **made}
         finally:
             if env:
                 env.close()
