@@ -3,6 +3,7 @@
 task by the first thing that stopped it.
 
     python -m benchmarks.terminal_import FOLDER [--sample 200] [--seed 0] [--sandbox bwrap] [--out FILE.json]
+    python -m benchmarks.terminal_import FOLDER --sample 12 --build [--base '*=qevolve-base:bookworm'] [--build-network host] [--keep DEST]
 
 FOLDER holds task folders (Harbor / Terminal-Bench 2, or Terminal-Bench 1). The sample is stratified by
 difficulty, the `_easy` / `_medium` / `_hard` ending of a folder's name where it has one (TermiGen's names
@@ -10,6 +11,11 @@ carry it, sometimes with a `_1` after; its task.toml files all say `medium`), in
 Beside the funnel, what the sampled tasks' Dockerfiles need that the bwrap sandbox cannot give, a task counted
 under each of its needs (the funnel names only the first). `--out` keeps the sample's
 names and each task's status and reason (JSON).
+
+`--build` imports the sample with each task's image built from its Dockerfile (`qevolve terminal-import --build`,
+with `--base` and `--build-network`), one task at a time, and times each (build and gate); the funnel then groups
+failed builds by what their logs say (`build_cause`). Each image is removed after its task unless `--keep DEST`
+keeps the imported tasks (DEST/<task>/<task>/) and their images for an evaluation.
 """
 
 from __future__ import annotations
@@ -20,11 +26,15 @@ import random
 import re
 import shlex
 import shutil
+import statistics
+import subprocess
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
 from qevolve.config import TerminalConfig
+from qevolve.envs.task_images import parse_base
 from qevolve.envs.terminal_import import APP, FETCHING, REPORT, _instructions, _programs, import_tasks
 
 STRATUM = re.compile(r"_(easy|medium|hard)(_\d+)?$")
@@ -50,8 +60,27 @@ def stratified(names: list[str], n: int, seed: int) -> list[str]:
     return sorted(name for k in sorted(strata) for name in rng.sample(strata[k], take[k]))
 
 
+BUILD_CAUSES = (
+    (r"Unable to locate package|has no installation candidate|Package .* is not available", "apt: a package the base's Debian lacks"),
+    (r"externally-managed-environment", "pip: the base's Python is externally managed"),
+    (r"No matching distribution|Could not find a version", "pip: no matching distribution"),
+    (r"pip3?: (command )?not found|No module named pip", "pip: not in the base"),
+    (r"did not end in", "the build timed out"),
+    (r"Temporary failure resolving|Could not resolve|Network is unreachable", "network: a download failed"),
+    (r"COPY failed|failed to compute cache key|not found: not found", "COPY: a file missing from the context"),
+    (r"failed to solve|error from sender", "the builder"),
+)
+"""Failed builds grouped by what their logs' last lines say (first match)."""
+
+
+def build_cause(reason: str) -> str:
+    return next((label for pattern, label in BUILD_CAUSES if re.search(pattern, reason)), "other (the task's own build step failed)")
+
+
 def cause(reason: str) -> str:
     """What a reason says stopped the task, without the task's own details (its Dockerfile line, its paths)."""
+    if reason.startswith(("docker build exited", "the build did not end", "docker could not run")):
+        return build_cause(reason)
     reason = re.sub(r"^Dockerfile:\d+ `[^`]*`: ", "", reason)
     reason = re.sub(r"^\S*/([^/\s]+/)?([^/\s:]+): ", r"\2: ", reason)
     return re.sub(r"\d+ services", "several services", reason)
@@ -89,15 +118,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sandbox", default="bwrap", choices=("bwrap", "local"))
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--build", action="store_true", help="build each task's image (a Docker engine)")
+    ap.add_argument("--base", action="append", default=[], metavar="ORIGINAL=LOCAL")
+    ap.add_argument("--build-network", default="default")
+    ap.add_argument("--keep", type=Path, help="with --build: keep the imported tasks here (DEST/<task>/<task>/) and their images")
     args = ap.parse_args(argv)
     names = [d.name for d in args.folder.iterdir() if d.is_dir() and not d.is_symlink()]
     sample = stratified(names, args.sample, args.seed)
+    cfg = TerminalConfig(sandbox=args.sandbox, build_network=args.build_network)
+    seconds: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="qevolve-bench-import-") as tmp:
-        src = Path(tmp) / "src"
-        for name in sample:  # copied, not linked: the importer refuses a task folder that is a link
-            shutil.copytree(args.folder / name, src / name, symlinks=True)
-        counts = import_tasks(src, Path(tmp) / "dest", "sample", TerminalConfig(sandbox=args.sandbox))
-        report = json.loads((Path(tmp) / "dest" / "sample" / REPORT).read_text())
+        if not args.build:
+            src = Path(tmp) / "src"
+            for name in sample:  # copied, not linked: the importer refuses a task folder that is a link
+                shutil.copytree(args.folder / name, src / name, symlinks=True)
+            counts = import_tasks(src, Path(tmp) / "dest", "sample", cfg)
+            report = json.loads((Path(tmp) / "dest" / "sample" / REPORT).read_text())
+        else:
+            report, dest = {}, args.keep or Path(tmp) / "dest"
+            for name in sample:  # one at a time: each split DEST/<task>/, its image removed unless kept
+                shutil.copytree(args.folder / name, Path(tmp) / "src" / name / name, symlinks=True)
+                started = time.monotonic()
+                import_tasks(Path(tmp) / "src" / name, dest, name, cfg, build=parse_base(args.base))
+                seconds[name] = round(time.monotonic() - started, 1)
+                report |= json.loads((dest / name / REPORT).read_text())
+                image = report[name].get("image")
+                if image:
+                    size = subprocess.run(["docker", "image", "inspect", "--format", "{{.Size}}", image], capture_output=True, text=True).stdout.strip()
+                    report[name]["image_mb"] = round(int(size) / 1e6) if size.isdigit() else None
+                    if not args.keep:
+                        subprocess.run(["docker", "rmi", "-f", image], capture_output=True)
+                print(f"{name}: {report[name]['status']} in {seconds[name]:.0f} s", flush=True)
+            counts = Counter(r["status"] for r in report.values())
     strata = Counter(stratum(n) for n in sample)
     oracles = sum((args.folder / n / "solution" / "solve.sh").is_file() or (args.folder / n / "solution.sh").is_file() for n in names)
     print(f"{args.folder}: {len(sample)} of {len(names)} task folders ({', '.join(f'{k} {v}' for k, v in sorted(strata.items()))}), "
@@ -106,13 +158,21 @@ def main(argv: list[str] | None = None) -> int:
     for status, why, n in funnel(report):
         print(f"{status:<34} {n:>5}  {why}")
     print(f"\n{sum(counts.values())} tasks: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    if seconds:
+        built = sorted(t for n, t in seconds.items() if report[n]["status"] != "build_failed")
+        sizes = sorted(r["image_mb"] for r in report.values() if r.get("image_mb"))
+        print(f"import with the build and gate, per task: median {statistics.median(seconds.values()):.0f} s (min {min(seconds.values()):.0f}, "
+              f"max {max(seconds.values()):.0f})" + (f"; of the {len(built)} built, median {statistics.median(built):.0f} s" if built else "")
+              + (f"; image size median {statistics.median(sizes):.0f} MB" if sizes else ""))
     needed = Counter(need for name in sample for need in needs(args.folder / name / "environment" / "Dockerfile"))
     print(f"\n{'what the Dockerfiles need':<66} {'tasks':>5}")
     for need, n in sorted(needed.items(), key=lambda x: (-x[1], x[0])):
         print(f"{need:<66} {n:>5}")
     if args.out:
         args.out.write_text(json.dumps({"folder": str(args.folder), "seed": args.seed, "sandbox": args.sandbox, "of": len(names),
-                                        "sample": sample, "report": report, "needs": dict(needed)}, indent=1) + "\n")
+                                        "sample": sample, "report": report, "needs": dict(needed),
+                                        **({"build": {"base": args.base, "network": args.build_network, "seconds": seconds}} if args.build else {})},
+                                       indent=1) + "\n")
     return 0
 
 
