@@ -631,6 +631,9 @@ def test_the_import_benchmark_samples_by_difficulty_and_lists_every_need_of_a_do
     assert needs(tmp_path / "Dockerfile") == {"base image ghcr.io/x/ubuntu:1", "WORKDIR outside /app", "RUN apt-get", "RUN pip3",
                                               "COPY outside /app", "RUN curl"}
     assert cause("Dockerfile:3 `RUN apt-get update`: `apt-get` installs or downloads") == "`apt-get` installs or downloads"
+    assert cause("docker build exited with status 100: E: Unable to locate package r-base-dev") == "apt: a package the base's Debian lacks"
+    assert cause("the build did not end in 1800 s: Step 3/9") == "the build timed out"
+    assert cause("docker build exited with status 1: make: *** [all] Error 2") == "other (the task's own build step failed)"
 
 
 @pytest.fixture

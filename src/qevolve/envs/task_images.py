@@ -131,7 +131,7 @@ def export_workdir(tag: str, inside: str, dest: Path) -> None:
 
 def ensure(tag: str, context: Path, log: Path, network: str = "default", timeout: float = 1800.0, registry: str | None = None) -> str:
     """Make `tag` present here: pulled from `registry` (default: $QEVOLVE_TASK_REGISTRY), else built from `context`
-    (its output appended to `log`) and pushed there. "" when it is present, else why not (the log's last lines)."""
+    (its output appended to `log`) and pushed there. "" when it is present, else why not (with the log's last lines)."""
     if present(tag):
         return ""
     registry = (os.environ.get(REGISTRY_ENV, "") if registry is None else registry).rstrip("/")
@@ -155,7 +155,7 @@ def ensure(tag: str, context: Path, log: Path, network: str = "default", timeout
             out.write(f"\n[qevolve: {why}]\n")
     if why:
         tail = [ln.strip()[:200] for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-4:-1]
-        return f"{why} (log {log}): " + " | ".join(tail)
+        return f"{why}: " + " | ".join(tail)
     if remote:
         pushed = _docker("tag", tag, remote).returncode == 0 and _docker("push", remote, timeout=timeout).returncode == 0
         if not pushed:

@@ -237,7 +237,7 @@ class TerminalEnv:
             log = Path(tempfile.gettempdir()) / "qevolve-task-builds" / f"{tag.replace('/', '_').replace(':', '_')}.log"
             why = ensure(tag, context, log, self.cfg.build_network, self.cfg.build_timeout)
             if why:
-                raise TaskError(f"{context / 'Dockerfile'}: its image {tag} is not here and could not be made: {why}")
+                raise TaskError(f"{context / 'Dockerfile'}: its image {tag} is not here and could not be made: {why} (the build's log: {log})")
             inside = workdir(tag)
             template = tempfile.TemporaryDirectory(prefix="qevolve-image-")
             export_workdir(tag, inside, Path(template.name))
