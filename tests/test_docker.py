@@ -155,6 +155,18 @@ def test_a_task_image_builds_from_its_dockerfile_and_the_task_plays_in_it(tmp_pa
     assert report["status"] == "imported" and report["image"] == tag, report
     assert f"docker build --network host -t {tag}" in (dest / "test" / "count-lines.build.log").read_text(), "the build's log is kept"
     inspect = subprocess.run(["docker", "image", "inspect", "--format", "{{.Created}}", tag], capture_output=True, text=True, check=True).stdout
+    from qevolve.config import TerminalConfig
+    from qevolve.envs.base import Task
+    from qevolve.envs.terminal import SUBMIT, TerminalEnv
+
+    env = TerminalEnv(str(dest), TerminalConfig(command_timeout=20), 6)  # the default sandbox: the image task runs in docker all the same
+    attack = ["printf '#!/bin/sh\\nexit 0\\n' > /usr/bin/python3", "echo 4 > /tmp/count.txt; ln -s /tmp/count.txt count.txt", SUBMIT]
+    env.reset(Task("count-lines", "test", "text"))
+    steps = [env.step(a) for a in attack]
+    assert "Read-only file system" in steps[0].observation and not steps[-1].won, "the image's python3 stays; /tmp is the agent's own"
+    env.reset(Task("count-lines", "test", "text"))
+    assert [env.step(a) for a in ("wc -l < data.txt > count.txt", SUBMIT)][-1].won
+    env.close()
     assert main(["terminal-import", str(task.parent), str(dest), "--split", "again", "--build", "--base",
                  f"ghcr.io/laude-institute/t-bench/ubuntu-24-04={base}", "--build-network", "host", "--no-gate"]) == 0
     assert not (dest / "again" / "count-lines.build.log").exists(), "built once: the second import found the image"
