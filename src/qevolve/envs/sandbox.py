@@ -52,6 +52,9 @@ BACKENDS = ("bwrap", "docker", "local")
 ANSI = re.compile(rb"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 GRACE_S = 2.0
 """How long a killed command's shell gets to print its sentinel before the sandbox is restarted."""
+START_S = {"bwrap": 30.0, "local": 30.0, "docker": 300.0}
+"""How long a sandbox may take to start its shell: a container of a large image takes a while where the engine
+copies its layers (`--storage-driver=vfs`: 33 s for a 1.1 GB image on a busy 2-core machine)."""
 SANDBOX_UID = 65534
 """The host uid and gid a sandbox runs as when qevolve runs as root (nobody's): never root."""
 ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "nsswitch.conf", "localtime")
@@ -304,7 +307,7 @@ class Session:
             limits = []  # the container's own limits
         if self.backend == "bwrap" and not cgroup:  # no pids cgroup: a per-user cap, which holds since the sandbox is never root
             limits.append(f"ulimit -u {self.limits.processes}")
-        setup = self._exchange("; ".join(["exec 2>&1", *limits, "echo $$"]), 30.0, restart=False)
+        setup = self._exchange("; ".join(["exec 2>&1", *limits, "echo $$"]), START_S[self.backend], restart=False)
         if setup.status != 0 or not setup.output.strip().isdigit():
             self._stop()
             raise SandboxError(f"env.terminal.sandbox: {self.backend} did not start a shell: {setup.output.strip()[:300]!r}")
