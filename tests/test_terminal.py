@@ -727,12 +727,14 @@ def test_nothing_a_task_folder_or_repository_holds_brings_a_host_file_in(tmp_pat
     solution.unlink()
     solution.symlink_to(secret)
     (_task(src, "inner-link", split=".") / "environment" / "again").symlink_to("README")  # a link inside the folder is fine
+    os.mkfifo(_task(src, "fifo", split=".") / "tests" / "data.txt")  # a device node, which root can extract from a tar, is refused the same way
     dest = tmp_path / "tasks"
     assert main(["terminal-import", str(src), str(dest), "--sandbox", "local", "--no-gate"]) == 0
     report = json.loads((dest / "test" / "import.json").read_text())
     assert {k: v["status"] for k, v in report.items()} == {"abs-copy": "unsupported", "dotdot-copy": "unsupported", "env-link": "unsupported",
-                                                          "solution-link": "unsupported", "inner-link": "imported"}, report
+                                                          "solution-link": "unsupported", "inner-link": "imported", "fifo": "unsupported"}, report
     assert "leads outside the build context" in report["abs-copy"]["reason"] and "outside the task folder" in report["env-link"]["reason"]
+    assert "tests/data.txt: not a regular file, a folder or a link" in report["fifo"]["reason"]
     assert not any("HOST-SECRET" in p.read_text() for p in dest.rglob("*") if p.is_file() and not p.is_symlink())
 
     repo = tmp_path / "sources" / "tool"
@@ -938,4 +940,11 @@ def test_a_registry_shares_task_images_so_a_task_is_built_once_between_machines(
     assert ensure(tag, context, tmp_path / "two.log") == "" and not (tmp_path / "two.log").exists()
     assert [c[0] for c in fake_docker() if c[0] in ("pull", "build", "push")] == ["pull", "build", "push", "pull"], "pulled, not built"
     assert ["tag", remote, tag] in fake_docker()
+    from qevolve.envs.task_images import export_workdir
+
+    kept = next((tmp_path / "docker-state" / "fs").iterdir())  # what the fake image holds
+    (kept / "data.txt").write_text("x\n")
+    os.mkfifo(kept / "pipe")
+    export_workdir(tag, "/app", tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["data.txt"], "a FIFO (or a device) the build made is not copied out"
     assert Scaleout.model_validate({"images": {"registry": "registry.lab:5000/qevolve"}}).images.registry == "registry.lab:5000/qevolve"

@@ -116,7 +116,9 @@ def workdir(tag: str) -> str:
 
 
 def export_workdir(tag: str, inside: str, dest: Path) -> None:
-    """Copy what the image holds at `inside` into `dest` (a container made, copied from, removed; never started)."""
+    """Copy what the image holds at `inside` into `dest` (a container made, copied from, removed; never started),
+    then remove what is neither a folder, a regular file nor a link (a device node the build made would be read
+    through by each episode's copy, a FIFO would block it)."""
     made = _docker("create", "--network", "none", tag, "true", timeout=120)
     if made.returncode != 0:
         raise RuntimeError(f"docker create {tag}: {made.stderr.strip()[:300]}")
@@ -127,6 +129,10 @@ def export_workdir(tag: str, inside: str, dest: Path) -> None:
             raise RuntimeError(f"docker cp {tag}:{inside}: {done.stderr.strip()[:300]}")
     finally:
         _docker("rm", "-f", container, timeout=120)
+    from qevolve.envs.terminal_import import special_files
+
+    for path in special_files(dest):
+        path.unlink()
 
 
 def ensure(tag: str, context: Path, log: Path, network: str = "default", timeout: float = 1800.0, registry: str | None = None) -> str:

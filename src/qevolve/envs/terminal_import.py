@@ -30,6 +30,7 @@ import posixpath
 import re
 import shlex
 import shutil
+import stat
 import subprocess
 import tomllib
 from pathlib import Path
@@ -104,6 +105,18 @@ def outward_links(folder: Path) -> list[Path]:
             path = Path(top) / name
             if path.is_symlink() and not path.resolve().is_relative_to(root):
                 found.append(path)
+    return found
+
+
+def special_files(folder: Path) -> list[Path]:
+    """What under `folder` is neither a directory, a regular file nor a link: a device node there (which a tar
+    extracted as root can make) would be read through by a copy, a FIFO would block it."""
+    found = []
+    for top, dirs, files in os.walk(folder):
+        for name in [*dirs, *files]:
+            mode = os.lstat(Path(top) / name).st_mode
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+                found.append(Path(top) / name)
     return found
 
 
@@ -191,6 +204,9 @@ def convert(folder: Path, out: Path, base: tuple[tuple[str, str], ...] | None = 
     links = outward_links(folder)
     if links:
         raise ValueError(f"{links[0]}: a link leading outside the task folder ({len(links)} in all)")
+    special = special_files(folder)
+    if special:
+        raise ValueError(f"{special[0]}: not a regular file, a folder or a link (a device, a FIFO or a socket; {len(special)} in all)")
     tests = sorted((folder / "tests").glob("test_*.py")) if (folder / "tests").is_dir() else []
     if not tests:
         raise ValueError(f"{folder / 'tests'}: no pytest validators (test_*.py)")
