@@ -681,6 +681,9 @@ def test_the_docker_backend_against_a_fake_docker(tmp_path, fake_docker):
     _, steps = _play(env, env.tasks("train")[0], ["wc -l < data.txt > count.txt", SUBMIT])
     assert steps[-1].won and env.info["tests_total"] == 2, "the validators ran with the image's python3"
     env.close()
+    tmp_work = Session("docker", work, image="qevolve-task:1", inside="/tmp")  # a task image's WORKDIR /tmp: no tmpfs over it
+    assert "--tmpfs" not in next(c for c in fake_docker()[::-1] if c[0] == "run") and tmp_work.app == "/tmp"
+    tmp_work.close()
     with pytest.raises(SandboxError, match=r"docker has no image 'missing:0' here \(Error: No such image: missing:0\)"):
         Session("docker", work, image="missing:0")
     with pytest.raises(SandboxError, match=r"docker needs env.terminal.image"):
@@ -891,25 +894,27 @@ def test_import_with_build_runs_each_task_in_its_image_built_once_and_reports_a_
     good = "FROM ghcr.io/acme/ubuntu-24-04:2025\nRUN apt-get update && apt-get install -y python3-pytest\nWORKDIR /srv/task\nCOPY data.txt /srv/task/data.txt\n"
     _image_task(src, "count", good)
     _image_task(src, "broken", "FROM ghcr.io/acme/ubuntu-24-04:2025\nRUN false\n")
+    _image_task(src, "in-tests", "FROM ghcr.io/acme/ubuntu-24-04:2025\nWORKDIR /tests\n")
     cfg = TerminalConfig(command_timeout=5, build_network="host")
     counts = import_tasks(src, tmp_path / "tasks", "test", cfg, build=(("ghcr.io/acme/ubuntu-24-04", "local-base:1"),))
-    assert counts == {"imported": 1, "build_failed": 1}
+    assert counts == {"imported": 1, "build_failed": 1, "rejected_environment_fails": 1}
     report = json.loads((tmp_path / "tasks" / "test" / REPORT).read_text())
     tag = image_tag("count", tmp_path / "tasks" / "test" / "count" / "environment")
     assert report["count"] == {"status": "imported", "oracle": True, "reason": "", "image": tag, "build_log": "count.build.log"}
     assert report["broken"]["status"] == "build_failed" and "docker build exited with status 1" in report["broken"]["reason"]
     assert "returned a non-zero code" in report["broken"]["reason"] and not (tmp_path / "tasks" / "test" / "broken").exists()
     assert "returned a non-zero code" in (tmp_path / "tasks" / "test" / "broken.build.log").read_text(), "the log is kept"
+    assert "WORKDIR /tests is where the validators' files go" in report["in-tests"]["error"]
     imported = tmp_path / "tasks" / "test" / "count" / "environment" / "Dockerfile"
     assert imported.read_text() == good.replace("ghcr.io/acme/ubuntu-24-04:2025", "local-base:1"), "built FROM the mapped base"
     builds = [c for c in fake_docker() if c[0] == "build"]
-    assert len(builds) == 2 and builds[0][1:3] == ["--network", "host"]
+    assert len(builds) == 3 and builds[0][1:3] == ["--network", "host"]
     runs = [c for c in fake_docker() if c[0] == "run"]
     assert len(runs) == 6 and all(tag in r and "--read-only" in r and "-w" in r and r[r.index("-w") + 1] == "/srv/task" for r in runs), \
         "the gate's three episodes and their validators ran in the task's image, at its working directory"
 
     import_tasks(src, tmp_path / "tasks", "again", cfg, build=(("ghcr.io/acme/ubuntu-24-04", "local-base:1"),), gate=False)
-    assert len([c for c in fake_docker() if c[0] == "build"]) == 3, "the same task's image is not built again; the failed one is"
+    assert len([c for c in fake_docker() if c[0] == "build"]) == 4, "the same task's image is not built again; the failed one is"
     env = TerminalEnv(str(tmp_path / "tasks"), TerminalConfig(command_timeout=5), 5)  # the default sandbox (bwrap): the image task runs in docker
     obs, steps = _play(env, Task("count", "test", "text"), ["cat data.txt | wc -l", "wc -l < data.txt > count.txt", SUBMIT])
     assert "data.txt" in obs.text and "Dockerfile" not in obs.text, "the image's working directory, not its build context"
@@ -921,7 +926,7 @@ def test_import_with_build_runs_each_task_in_its_image_built_once_and_reports_a_
     env = TerminalEnv(str(tmp_path / "tasks"), TerminalConfig(command_timeout=5), 5)
     env.reset(Task("count", "test", "text"))
     env.close()
-    assert len([c for c in fake_docker() if c[0] == "build"]) == 4, "a changed context is a new image, built when its episode starts"
+    assert len([c for c in fake_docker() if c[0] == "build"]) == 5, "a changed context is a new image, built when its episode starts"
 
 
 def test_a_registry_shares_task_images_so_a_task_is_built_once_between_machines(tmp_path, fake_docker, monkeypatch):

@@ -241,7 +241,8 @@ class Session:
             return ["docker", "run", "--rm", "-i", "--name", self.container, "--network", "bridge" if lim.network else "none", "--read-only",
                     "--cap-drop", "ALL", *(["--cpus", f"{lim.cpus:g}"] if lim.cpus else []),
                     "--security-opt", "no-new-privileges", "--user", f"{uid}:{uid}", "--memory", f"{lim.memory_mb}m",
-                    "--pids-limit", str(lim.processes), "--ulimit", f"fsize={lim.file_mb << 20}", "--tmpfs", f"/tmp:size={lim.tmp_mb}m",
+                    "--pids-limit", str(lim.processes), "--ulimit", f"fsize={lim.file_mb << 20}",
+                    *(["--tmpfs", f"/tmp:size={lim.tmp_mb}m"] if self.inside != "/tmp" else []),  # a task image's WORKDIR /tmp is the episode's folder
                     "-v", f"{self.workdir}:{self.inside}", *mounts, "-w", self.inside, "-e", f"HOME={self.inside}",
                     *(a for k, v in SHELL_ENV.items() for a in ("-e", f"{k}={v}")), self.image, *shell]
 

@@ -52,6 +52,8 @@ from qevolve.envs.sandbox import Limits, SandboxError, Session, available, read_
 from qevolve.envs.task_images import ensure, export_workdir, image_tag, workdir
 
 SUBMIT = "submit"
+VALIDATOR_MOUNTS = ("/tests", "/qevolve", "/report")
+"""Where the validators' sandbox sees the tests, pytest's configuration and its report folder."""
 
 
 class TaskError(ValueError):
@@ -239,6 +241,8 @@ class TerminalEnv:
             if why:
                 raise TaskError(f"{context / 'Dockerfile'}: its image {tag} is not here and could not be made: {why} (the build's log: {log})")
             inside = workdir(tag)
+            if inside in VALIDATOR_MOUNTS:
+                raise TaskError(f"{context / 'Dockerfile'}: WORKDIR {inside} is where the validators' files go; a task's working directory must be elsewhere")
             template = tempfile.TemporaryDirectory(prefix="qevolve-image-")
             export_workdir(tag, inside, Path(template.name))
             self._images[self.folder] = (tag, inside, template)
@@ -279,7 +283,7 @@ class TerminalEnv:
             name = f"{secrets.token_hex(8)}.xml"
             setup = self.folder / "environment" / "setup.sh"  # the task's own variables (a Dockerfile's ENV), not the agent's
             exports = [ln for ln in setup.read_text().splitlines() if ln.startswith("export ")] if setup.is_file() else []
-            session = self._sandbox(((tests, "/tests", False), (config, "/qevolve", False), (report, "/report", True)), validators=True)
+            session = self._sandbox(tuple(zip((tests, config, report), VALIDATOR_MOUNTS, (False, False, True))), validators=True)
             try:
                 inside = session.where
                 run = session.run("".join(f"{e}; " for e in exports) +
