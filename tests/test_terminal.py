@@ -895,9 +895,15 @@ def test_import_with_build_runs_each_task_in_its_image_built_once_and_reports_a_
     _image_task(src, "count", good)
     _image_task(src, "broken", "FROM ghcr.io/acme/ubuntu-24-04:2025\nRUN false\n")
     _image_task(src, "in-tests", "FROM ghcr.io/acme/ubuntu-24-04:2025\nWORKDIR /tests\n")
+    tb1 = src / "tb1"  # Terminal-Bench 1: its build context is the task's folder, less its tests, solution and task.yaml
+    shutil.copytree(src / "count" / "tests", tb1 / "tests")
+    (tb1 / "task.yaml").write_text("instruction: Write the number of lines of data.txt to count.txt.\ncategory: text\n")
+    (tb1 / "Dockerfile").write_text("FROM ghcr.io/acme/ubuntu-24-04:2025\nWORKDIR /srv/task\nCOPY data.txt /srv/task/data.txt\n")
+    (tb1 / "data.txt").write_text("a\nb\nc\n")
+    (tb1 / "solution.sh").write_text("wc -l < data.txt > count.txt\n")
     cfg = TerminalConfig(command_timeout=5, build_network="host")
     counts = import_tasks(src, tmp_path / "tasks", "test", cfg, build=(("ghcr.io/acme/ubuntu-24-04", "local-base:1"),))
-    assert counts == {"imported": 1, "build_failed": 1, "rejected_environment_fails": 1}
+    assert counts == {"imported": 2, "build_failed": 1, "rejected_environment_fails": 1}
     report = json.loads((tmp_path / "tasks" / "test" / REPORT).read_text())
     tag = image_tag("count", tmp_path / "tasks" / "test" / "count" / "environment")
     assert report["count"] == {"status": "imported", "oracle": True, "reason": "", "image": tag, "build_log": "count.build.log"}
@@ -905,16 +911,18 @@ def test_import_with_build_runs_each_task_in_its_image_built_once_and_reports_a_
     assert "returned a non-zero code" in report["broken"]["reason"] and not (tmp_path / "tasks" / "test" / "broken").exists()
     assert "returned a non-zero code" in (tmp_path / "tasks" / "test" / "broken.build.log").read_text(), "the log is kept"
     assert "WORKDIR /tests is where the validators' files go" in report["in-tests"]["error"]
+    assert report["tb1"]["status"] == "imported" and sorted(p.name for p in (tmp_path / "tasks" / "test" / "tb1" / "environment").iterdir()) == \
+        ["Dockerfile", "data.txt"]
     imported = tmp_path / "tasks" / "test" / "count" / "environment" / "Dockerfile"
     assert imported.read_text() == good.replace("ghcr.io/acme/ubuntu-24-04:2025", "local-base:1"), "built FROM the mapped base"
     builds = [c for c in fake_docker() if c[0] == "build"]
-    assert len(builds) == 3 and builds[0][1:3] == ["--network", "host"]
-    runs = [c for c in fake_docker() if c[0] == "run"]
-    assert len(runs) == 6 and all(tag in r and "--read-only" in r and "-w" in r and r[r.index("-w") + 1] == "/srv/task" for r in runs), \
+    assert len(builds) == 4 and builds[0][1:3] == ["--network", "host"]
+    runs = [c for c in fake_docker() if c[0] == "run" and tag in c]
+    assert len(runs) == 6 and all("--read-only" in r and "-w" in r and r[r.index("-w") + 1] == "/srv/task" for r in runs), \
         "the gate's three episodes and their validators ran in the task's image, at its working directory"
 
     import_tasks(src, tmp_path / "tasks", "again", cfg, build=(("ghcr.io/acme/ubuntu-24-04", "local-base:1"),), gate=False)
-    assert len([c for c in fake_docker() if c[0] == "build"]) == 4, "the same task's image is not built again; the failed one is"
+    assert len([c for c in fake_docker() if c[0] == "build"]) == 5, "the same task's image is not built again; the failed one is"
     env = TerminalEnv(str(tmp_path / "tasks"), TerminalConfig(command_timeout=5), 5)  # the default sandbox (bwrap): the image task runs in docker
     obs, steps = _play(env, Task("count", "test", "text"), ["cat data.txt | wc -l", "wc -l < data.txt > count.txt", SUBMIT])
     assert "data.txt" in obs.text and "Dockerfile" not in obs.text, "the image's working directory, not its build context"
@@ -926,7 +934,7 @@ def test_import_with_build_runs_each_task_in_its_image_built_once_and_reports_a_
     env = TerminalEnv(str(tmp_path / "tasks"), TerminalConfig(command_timeout=5), 5)
     env.reset(Task("count", "test", "text"))
     env.close()
-    assert len([c for c in fake_docker() if c[0] == "build"]) == 5, "a changed context is a new image, built when its episode starts"
+    assert len([c for c in fake_docker() if c[0] == "build"]) == 6, "a changed context is a new image, built when its episode starts"
 
 
 def test_a_registry_shares_task_images_so_a_task_is_built_once_between_machines(tmp_path, fake_docker, monkeypatch):
