@@ -3,7 +3,7 @@
 task by the first thing that stopped it.
 
     python -m benchmarks.terminal_import FOLDER [--sample 200] [--seed 0] [--sandbox bwrap] [--out FILE.json]
-    python -m benchmarks.terminal_import FOLDER --sample 12 --build [--base '*=qevolve-base:bookworm'] [--build-network host] [--keep DEST]
+    python -m benchmarks.terminal_import FOLDER --sample 12 --build [--base '*=qevolve-base:bookworm'] [--build-network host] [--keep DEST [--keep-images]]
 
 FOLDER holds task folders (Harbor / Terminal-Bench 2, or Terminal-Bench 1). The sample is stratified by
 difficulty, the `_easy` / `_medium` / `_hard` ending of a folder's name where it has one (TermiGen's names
@@ -14,8 +14,9 @@ names and each task's status and reason (JSON).
 
 `--build` imports the sample with each task's image built from its Dockerfile (`qevolve terminal-import --build`,
 with `--base` and `--build-network`), one task at a time, and times each (build and gate); the funnel then groups
-failed builds by what their logs say (`build_cause`). Each image is removed after its task unless `--keep DEST`
-keeps the imported tasks (DEST/<task>/<task>/) and their images for an evaluation.
+failed builds by what their logs say (`build_cause`). `--keep DEST` keeps the imported tasks (DEST/<task>/<task>/),
+`--keep-images` their images (for an evaluation); else each image is removed after its task (under
+`--storage-driver=vfs` an image of TermiGen's costs about 8 GB of disk: every layer is a full copy).
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build", action="store_true", help="build each task's image (a Docker engine)")
     ap.add_argument("--base", action="append", default=[], metavar="ORIGINAL=LOCAL")
     ap.add_argument("--build-network", default="default")
-    ap.add_argument("--keep", type=Path, help="with --build: keep the imported tasks here (DEST/<task>/<task>/) and their images")
+    ap.add_argument("--keep", type=Path, help="with --build: keep the imported tasks here (DEST/<task>/<task>/)")
+    ap.add_argument("--keep-images", action="store_true", help="with --build: keep the built images")
     args = ap.parse_args(argv)
     names = [d.name for d in args.folder.iterdir() if d.is_dir() and not d.is_symlink()]
     sample = stratified(names, args.sample, args.seed)
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 if image:
                     size = subprocess.run(["docker", "image", "inspect", "--format", "{{.Size}}", image], capture_output=True, text=True).stdout.strip()
                     report[name]["image_mb"] = round(int(size) / 1e6) if size.isdigit() else None
-                    if not args.keep:
+                    if not args.keep_images:
                         subprocess.run(["docker", "rmi", "-f", image], capture_output=True)
                 print(f"{name}: {report[name]['status']} in {seconds[name]:.0f} s", flush=True)
             counts = Counter(r["status"] for r in report.values())
