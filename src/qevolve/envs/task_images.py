@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 import subprocess
 from pathlib import Path
 
@@ -89,6 +90,18 @@ def context_digest(context: Path) -> str:
     return h.hexdigest()
 
 
+def special_files(folder: Path) -> list[Path]:
+    """What under `folder` is neither a directory, a regular file nor a link: a device node there (which a tar
+    extracted as root can make) would be read through by a copy, a FIFO would block it."""
+    found = []
+    for top, dirs, files in os.walk(folder):
+        for name in [*dirs, *files]:
+            mode = os.lstat(Path(top) / name).st_mode
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+                found.append(Path(top) / name)
+    return found
+
+
 def image_tag(name: str, context: Path) -> str:
     """`qevolve-task/<name>:<digest>`: the task's name reduced to what a Docker repository allows."""
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:60].strip("-") or "task"
@@ -129,8 +142,6 @@ def export_workdir(tag: str, inside: str, dest: Path) -> None:
             raise RuntimeError(f"docker cp {tag}:{inside}: {done.stderr.strip()[:300]}")
     finally:
         _docker("rm", "-f", container, timeout=120)
-    from qevolve.envs.terminal_import import special_files
-
     for path in special_files(dest):
         path.unlink()
 

@@ -30,7 +30,6 @@ import posixpath
 import re
 import shlex
 import shutil
-import stat
 import subprocess
 import tomllib
 from pathlib import Path
@@ -39,7 +38,7 @@ import yaml
 from tqdm import tqdm
 
 from qevolve.data.atomic import atomic_dir, write_json
-from qevolve.envs.task_images import ensure, image_tag, map_base
+from qevolve.envs.task_images import ensure, image_tag, map_base, special_files
 from qevolve.errors import UserError
 
 APP = "/app"
@@ -105,18 +104,6 @@ def outward_links(folder: Path) -> list[Path]:
             path = Path(top) / name
             if path.is_symlink() and not path.resolve().is_relative_to(root):
                 found.append(path)
-    return found
-
-
-def special_files(folder: Path) -> list[Path]:
-    """What under `folder` is neither a directory, a regular file nor a link: a device node there (which a tar
-    extracted as root can make) would be read through by a copy, a FIFO would block it."""
-    found = []
-    for top, dirs, files in os.walk(folder):
-        for name in [*dirs, *files]:
-            mode = os.lstat(Path(top) / name).st_mode
-            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-                found.append(Path(top) / name)
     return found
 
 
