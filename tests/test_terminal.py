@@ -869,6 +869,12 @@ def test_base_mapping_and_content_addressed_tags(tmp_path):
     (b / "Dockerfile").write_text("FROM x\n")
     (b / "sub" / "link").symlink_to("run.sh")
     assert context_digest(b) != context_digest(a) and image_tag("..", a).startswith("qevolve-task/task:")
+    from qevolve.cli import main
+
+    _task(tmp_path / "src", "t", split=".")
+    assert main(["terminal-import", str(tmp_path / "src"), str(tmp_path / "d"), "--base", "x=y"]) == 2, "--base needs --build"
+    assert main(["terminal-import", str(tmp_path / "src"), str(tmp_path / "d"), "--build", "--base", "x"]) == 2
+    assert not (tmp_path / "d").exists()
 
 
 def _image_task(root, name, dockerfile):

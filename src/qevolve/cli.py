@@ -68,9 +68,8 @@ def _command(args) -> int:
 
     if args.command == "terminal-import":
         from qevolve.config import TerminalConfig
-        from qevolve.envs.terminal_import import REPORT, TaskImportError, import_tasks
-
         from qevolve.envs.task_images import parse_base
+        from qevolve.envs.terminal_import import REPORT, TaskImportError, import_tasks
 
         if args.base and not args.build:
             raise TaskImportError("--base maps the images a Dockerfile builds FROM: it needs --build")
