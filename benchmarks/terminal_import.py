@@ -152,10 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                         subprocess.run(["docker", "rmi", "-f", image], capture_output=True)
                 print(f"{name}: {report[name]['status']} in {seconds[name]:.0f} s", flush=True)
             counts = Counter(r["status"] for r in report.values())
-    strata = Counter(stratum(n) for n in sample)
+    strata, gated_in = Counter(stratum(n) for n in sample), "each task's image" if args.build else args.sandbox
     oracles = sum((args.folder / n / "solution" / "solve.sh").is_file() or (args.folder / n / "solution.sh").is_file() for n in names)
     print(f"{args.folder}: {len(sample)} of {len(names)} task folders ({', '.join(f'{k} {v}' for k, v in sorted(strata.items()))}), "
-          f"seed {args.seed}, gate in {args.sandbox}; {oracles} of the {len(names)} have an oracle\n")
+          f"seed {args.seed}, gate in {gated_in}; {oracles} of the {len(names)} have an oracle\n")
     print(f"{'status':<34} {'tasks':>5}  first thing that stopped it")
     for status, why, n in funnel(report):
         print(f"{status:<34} {n:>5}  {why}")
