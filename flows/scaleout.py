@@ -4,6 +4,7 @@
 
     remote: {url: s3://qevolve/dvc, endpointurl: http://minio:9000}   # a DVC remote (S3, or a directory)
     pools: {bc: gpu, critic: gpu, policy: gpu, collect: gpu, evaluate: gpu}   # stage -> Prefect work pool
+    images: {registry: registry.lab:5000/qevolve}   # optional: terminal tasks' images, built once between the workers
 
 No stage reads this file, so moving a stage to another pool (or back) never makes DVC run it again.
 With a remote, every stage's outputs and DVC run-cache entry are pushed there once it is done, and a stage
