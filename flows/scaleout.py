@@ -38,7 +38,7 @@ from prefect import flow, get_run_logger
 
 from qevolve.data.atomic import atomic_path
 from qevolve.envs.task_images import REGISTRY_ENV
-from tasks.scaleout import DEPLOYMENT, ROOT, SRC, Remote, carried_path, code_digest, stage_inputs, use_remote, worker_root
+from tasks.scaleout import DEPLOYMENT, ROOT, SRC, Remote, carried_path, code_digest, registry_name, stage_inputs, use_remote, worker_root
 
 
 def _run_name() -> str:
@@ -62,6 +62,7 @@ def remote_stage(stage: str, iteration: int | None, files: dict[str, str], code:
     from tasks.dvc import dvc_repo, push_stage, remote_errors, restore_from_run_cache
 
     root = worker_root(workspace)  # flow-run parameters: checked before anything is written
+    registry = registry and registry_name(registry, "remote_stage: registry")
     files = {carried_path(root, rel): text for rel, text in files.items()}
     log = get_run_logger()
     name = stage_name(stage, iteration)

@@ -30,11 +30,29 @@ class Remote(BaseModel):
     """An S3-compatible server's URL (MinIO, moto); credentials come from the environment (AWS_ACCESS_KEY_ID, ...)."""
 
 
+REGISTRY = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*(:[0-9]{1,5})?(/[a-z0-9][a-z0-9._-]*)*")
+"""A registry as `docker pull` reads one (`host[:port][/path]`): never an option, a space or an upper-case path."""
+
+
+def registry_name(value: str, where: str) -> str:
+    if not isinstance(value, str) or not REGISTRY.fullmatch(value):
+        raise BadName(f"{where}: {value!r} is not a registry (host[:port][/path], e.g. registry.lab:5000/qevolve)")
+    return value
+
+
 class Images(BaseModel):
     model_config = ConfigDict(extra="forbid")
     registry: str
     """Where the workers share terminal tasks' images (`registry.lab:5000/qevolve`): one missing on a machine is pulled
     from it before it is built, and one built is pushed to it (`qevolve.envs.task_images`)."""
+
+    @model_validator(mode="after")
+    def _a_registry(self) -> "Images":
+        try:
+            registry_name(self.registry, "images.registry")
+        except BadName as err:
+            raise ValueError(str(err)) from None
+        return self
 
 
 class Scaleout(BaseModel):

@@ -336,6 +336,9 @@ def test_a_worker_writes_only_the_files_a_stage_carries_into_a_workspace_id_it_c
                  ".dvc/config", "metrics/.json"):
         with pytest.raises(BadName, match="is not a file a stage carries"):
             remote_stage.fn("bc", None, {"params.yaml": "", name: "x"}, code, {}, "0123456789abcdef")
+    for registry in ("--insecure-registry", "reg istry", "host/Upper", "host:port/x"):  # a registry never reaches `docker pull` as an option
+        with pytest.raises(BadName, match="is not a registry"):
+            remote_stage.fn("bc", None, {"params.yaml": ""}, code, {}, "0123456789abcdef", registry)
     assert not (tmp_path / "workers").exists()  # nothing written
     root = worker_root("0123456789abcdef")
     assert root == tmp_path / "workers" / "0123456789abcdef"

@@ -967,3 +967,5 @@ def test_a_registry_shares_task_images_so_a_task_is_built_once_between_machines(
     export_workdir(tag, "/app", tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["data.txt"], "a FIFO (or a device) the build made is not copied out"
     assert Scaleout.model_validate({"images": {"registry": "registry.lab:5000/qevolve"}}).images.registry == "registry.lab:5000/qevolve"
+    with pytest.raises(ValueError, match=r"images.registry: '-x' is not a registry"):
+        Scaleout.model_validate({"images": {"registry": "-x"}})

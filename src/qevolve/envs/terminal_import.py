@@ -281,8 +281,9 @@ def import_tasks(src: Path, dest: Path, split: str = "test", terminal=None, max_
                     why = sanity_gate(env, Task(folder.name, tmp.name, "imported")) if env else ""
                 except (UserError, ValueError, RuntimeError, OSError, subprocess.SubprocessError) as err:  # an environment that cannot start
                     why, made["error"] = "environment_fails", f"{type(err).__name__}: {err}"[:500]
-                if why and env and env.info.get("validation_error"):
-                    made["error"] = env.info["validation_error"]
+                else:  # this task's last episode's (an earlier task's info must not stand for an environment that never started)
+                    if why and env.info.get("validation_error"):
+                        made["error"] = env.info["validation_error"]
                 if why:
                     shutil.rmtree(tmp / folder.name)
                     report[folder.name] = {"status": f"rejected_{why}", "reason": f"the sanity gate: {why.replace('_', ' ')}", "oracle": oracle, **made}
