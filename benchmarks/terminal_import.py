@@ -16,7 +16,9 @@ names and each task's status and reason (JSON).
 with `--base` and `--build-network`), one task at a time, and times each (build and gate); the funnel then groups
 failed builds by what their logs say (`build_cause`). `--keep DEST` keeps the imported tasks (DEST/<task>/<task>/),
 `--keep-images` their images (for an evaluation); else each image is removed after its task (under
-`--storage-driver=vfs` an image of TermiGen's costs about 8 GB of disk: every layer is a full copy).
+`--storage-driver=vfs` an image of TermiGen's costs about 8 GB of disk: every layer is a full copy). With `--out`,
+the file is rewritten after every task, and a run given an `--out` that a killed run of the same sample wrote goes
+on from the first task it lacks.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from collections import Counter
 from pathlib import Path
 
 from qevolve.config import TerminalConfig
+from qevolve.data.atomic import write_json
 from qevolve.envs.task_images import parse_base
 from qevolve.envs.terminal_import import APP, FETCHING, REPORT, _instructions, _programs, import_tasks
 
@@ -138,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
             report = json.loads((Path(tmp) / "dest" / "sample" / REPORT).read_text())
         else:
             report, dest = {}, args.keep or Path(tmp) / "dest"
-            for name in sample:  # one at a time: each split DEST/<task>/, its image removed unless kept
+            done = resumed(args.out, sample)
+            if done:
+                report, seconds = done["report"], done["build"]["seconds"]
+                print(f"{args.out}: {len(report)} of the {len(sample)} tasks done by an earlier run, going on", flush=True)
+            for name in (n for n in sample if n not in report):  # one at a time: each split DEST/<task>/, its image removed unless kept
                 shutil.copytree(args.folder / name, Path(tmp) / "src" / name / name, symlinks=True)
                 started = time.monotonic()
                 import_tasks(Path(tmp) / "src" / name, dest, name, cfg, build=parse_base(args.base))
@@ -150,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
                     report[name]["image_mb"] = round(int(size) / 1e6) if size.isdigit() else None
                     if not args.keep_images:
                         subprocess.run(["docker", "rmi", "-f", image], capture_output=True)
-                print(f"{name}: {report[name]['status']} in {seconds[name]:.0f} s", flush=True)
+                print(f"{name}: {report[name]['status']} in {seconds[name]:.0f} s ({len(report)} of {len(sample)})", flush=True)
+                if args.out:
+                    write(args, names, sample, report, seconds)
             counts = Counter(r["status"] for r in report.values())
     strata, gated_in = Counter(stratum(n) for n in sample), "each task's image" if args.build else args.sandbox
     oracles = sum((args.folder / n / "solution" / "solve.sh").is_file() or (args.folder / n / "solution.sh").is_file() for n in names)
@@ -171,11 +180,25 @@ def main(argv: list[str] | None = None) -> int:
     for need, n in sorted(needed.items(), key=lambda x: (-x[1], x[0])):
         print(f"{need:<66} {n:>5}")
     if args.out:
-        args.out.write_text(json.dumps({"folder": str(args.folder), "seed": args.seed, "sandbox": args.sandbox, "of": len(names),
-                                        "sample": sample, "report": report, "needs": dict(needed),
-                                        **({"build": {"base": args.base, "network": args.build_network, "seconds": seconds}} if args.build else {})},
-                                       indent=1) + "\n")
+        write(args, names, sample, report, seconds, needed)
     return 0
+
+
+def write(args, names, sample, report, seconds, needed=None) -> None:
+    """The `--out` file (atomically): the sample, each task's outcome, and with `--build` the times so far."""
+    write_json(args.out, {"folder": str(args.folder), "seed": args.seed, "sandbox": args.sandbox, "of": len(names),
+                          "sample": sample, "report": report, **({"needs": dict(needed)} if needed is not None else {}),
+                          **({"build": {"base": args.base, "network": args.build_network, "seconds": seconds}} if args.build else {})})
+
+
+def resumed(out: Path | None, sample: list[str]) -> dict | None:
+    """What a killed `--build` run with this `--out` and the same sample finished, or None."""
+    if not out or not out.is_file():
+        return None
+    done = json.loads(out.read_text())
+    if done.get("sample") != sample or "build" not in done:
+        raise SystemExit(f"{out}: written for another sample or without --build; give a new --out")
+    return done
 
 
 if __name__ == "__main__":

@@ -943,6 +943,29 @@ def test_import_with_build_runs_each_task_in_its_image_built_once_and_reports_a_
     assert len([c for c in fake_docker() if c[0] == "build"]) == 6, "a changed context is a new image, built when its episode starts"
 
 
+@needs_bwrap
+def test_the_build_funnel_goes_on_from_where_a_killed_run_stopped(tmp_path, fake_docker, capsys):
+    from benchmarks.terminal_import import main
+
+    for name in ("a_hard", "b_hard", "c_hard"):
+        _image_task(tmp_path / "set", name, "FROM local-base:1\nWORKDIR /srv/task\nCOPY data.txt /srv/task/data.txt\n" if name != "b_hard"
+                    else "FROM local-base:1\nRUN false\n")
+    out, argv = tmp_path / "funnel.json", [str(tmp_path / "set"), "--sample", "3", "--build", "--build-network", "host"]
+    assert main([*argv, "--out", str(out)]) == 0
+    first = json.loads(out.read_text())
+    assert {n: r["status"] for n, r in first["report"].items()} == {"a_hard": "imported", "b_hard": "build_failed", "c_hard": "imported"}
+    killed = {**first, "report": {"a_hard": first["report"]["a_hard"]}, "build": {**first["build"], "seconds": {"a_hard": 9.5}}}
+    out.write_text(json.dumps(killed))  # what a run killed during b_hard had written
+    capsys.readouterr()
+    assert main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "1 of the 3 tasks done by an earlier run" in printed and "a_hard: " not in printed and "b_hard: build_failed" in printed
+    again = json.loads(out.read_text())
+    assert again["report"].keys() == first["report"].keys() and again["build"]["seconds"]["a_hard"] == 9.5
+    with pytest.raises(SystemExit, match="another sample"):
+        main([str(tmp_path / "set"), "--sample", "2", "--build", "--out", str(out)])
+
+
 def test_a_registry_shares_task_images_so_a_task_is_built_once_between_machines(tmp_path, fake_docker, monkeypatch):
     from qevolve.envs.task_images import REGISTRY_ENV, ensure, image_tag
     from tasks.scaleout import Scaleout
