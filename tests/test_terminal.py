@@ -912,6 +912,7 @@ def test_import_with_build_runs_each_task_in_its_image_built_once_and_reports_a_
     assert counts == {"imported": 2, "build_failed": 1, "rejected_environment_fails": 1}
     report = json.loads((tmp_path / "tasks" / "test" / REPORT).read_text())
     tag = image_tag("count", tmp_path / "tasks" / "test" / "count" / "environment")
+    assert report["count"].pop("image_s") > 0
     assert report["count"] == {"status": "imported", "oracle": True, "reason": "", "image": tag, "build_log": "count.build.log"}
     assert report["broken"]["status"] == "build_failed" and "docker build exited with status 1" in report["broken"]["reason"]
     assert "returned a non-zero code" in report["broken"]["reason"] and not (tmp_path / "tasks" / "test" / "broken").exists()
@@ -954,6 +955,9 @@ def test_the_build_funnel_goes_on_from_where_a_killed_run_stopped(tmp_path, fake
     assert main([*argv, "--out", str(out)]) == 0
     first = json.loads(out.read_text())
     assert {n: r["status"] for n, r in first["report"].items()} == {"a_hard": "imported", "b_hard": "build_failed", "c_hard": "imported"}
+    images = [first["report"][n]["image"] for n in ("a_hard", "c_hard")]
+    assert [c[0] if c[0] == "build" else c[-1] for c in fake_docker() if c[0] in ("build", "rmi")] == ["build", "build", "build", *images], \
+        "each image removed once the next task's is built (their shared layers stay cached), the last at the end"
     killed = {**first, "report": {"a_hard": first["report"]["a_hard"]}, "build": {**first["build"], "seconds": {"a_hard": 9.5}}}
     out.write_text(json.dumps(killed))  # what a run killed during b_hard had written
     capsys.readouterr()

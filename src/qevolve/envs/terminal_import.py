@@ -31,6 +31,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
 import tomllib
 from pathlib import Path
 
@@ -271,8 +272,9 @@ def import_tasks(src: Path, dest: Path, split: str = "test", terminal=None, max_
                 oracle, made = has_oracle(tmp / folder.name), {}
                 if image:
                     context, log = tmp / folder.name / "environment", tmp / f"{folder.name}.build.log"
-                    made = {"image": image_tag(folder.name, context), "build_log": log.name}
+                    made, started = {"image": image_tag(folder.name, context), "build_log": log.name}, time.monotonic()
                     failed = ensure(made["image"], context, log, terminal.build_network, terminal.build_timeout)
+                    made["image_s"] = round(time.monotonic() - started, 1)  # pulled or built; about 0 where it was here
                     if failed:
                         shutil.rmtree(tmp / folder.name)
                         report[folder.name] = {"status": "build_failed", "reason": failed, "oracle": oracle, **made}
