@@ -633,6 +633,9 @@ def test_the_import_benchmark_samples_by_difficulty_and_lists_every_need_of_a_do
     assert cause("Dockerfile:3 `RUN apt-get update`: `apt-get` installs or downloads") == "`apt-get` installs or downloads"
     assert cause("docker build exited with status 100: E: Unable to locate package r-base-dev") == "apt: a package the base's Debian lacks"
     assert cause("the build did not end in 1800 s: Step 3/9") == "the build timed out"
+    assert cause("docker build exited with status 4: Step 7/16 : RUN cd /opt && wget -q https://dl.google.com/x.zip | ---> Running in ab") == \
+        "network: wget or curl could not reach its host (here only the package indexes answer)"
+    assert cause("docker build exited with status 4: Step 7/16 : RUN make | ---> Running in ab") == "other (the task's own build step failed)"
     assert cause("docker build exited with status 1: make: *** [all] Error 2") == "other (the task's own build step failed)"
 
 
