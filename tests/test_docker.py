@@ -172,3 +172,50 @@ def test_a_task_image_builds_from_its_dockerfile_and_the_task_plays_in_it(tmp_pa
     assert not (dest / "again" / "count-lines.build.log").exists(), "built once: the second import found the image"
     assert subprocess.run(["docker", "image", "inspect", "--format", "{{.Created}}", tag], capture_output=True, text=True).stdout == inspect
     subprocess.run(["docker", "rmi", "-f", tag], capture_output=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _engine() or not shutil.which("docker-registry"),
+                    reason="no Docker engine or no registry here (install docker.io and docker-registry, start dockerd)")
+def test_a_task_image_goes_through_a_real_registry(tmp_path):
+    """A cluster's shared registry (scaleout.yaml's `images.registry`): Debian's docker-registry on loopback (an
+    engine trusts 127.0.0.0/8 without TLS). The first machine builds and pushes; once the image is gone from the
+    engine, as on a second machine, it is pulled and not built again."""
+    import socket
+    import time
+    import urllib.request
+
+    from qevolve.envs.task_images import ensure, image_tag, present
+
+    base = _base()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "registry.yml").write_text(f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {tmp_path / 'store'}\n"
+                                           f"http:\n  addr: 127.0.0.1:{port}\n")
+    server = subprocess.Popen(["docker-registry", "serve", str(tmp_path / "registry.yml")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    context = tmp_path / "environment"
+    context.mkdir()
+    (context / "Dockerfile").write_text(f"FROM {base}\nWORKDIR /app\nCOPY stamp /app/stamp\n")
+    (context / "stamp").write_text(f"{time.time_ns()}\n")  # a tag no earlier run pushed
+    tag, registry = image_tag("through-registry", context), f"127.0.0.1:{port}/qevolve"
+    try:
+        for _ in range(50):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+        assert ensure(tag, context, tmp_path / "one.log", network="host", registry=registry) == ""
+        assert "docker build" in (tmp_path / "one.log").read_text(), "built on the first machine"
+        name, version = tag.split(":")
+        listed = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/qevolve/{name}/tags/list", timeout=5).read())
+        assert listed["tags"] == [version], "and pushed"
+        subprocess.run(["docker", "rmi", "-f", tag, f"{registry}/{tag}"], capture_output=True, check=True)
+        assert not present(tag)
+        assert ensure(tag, context, tmp_path / "two.log", network="host", registry=registry) == ""
+        assert present(tag) and not (tmp_path / "two.log").exists(), "pulled on the second, not built"
+    finally:
+        server.terminate()
+        server.wait(10)
+        subprocess.run(["docker", "rmi", "-f", tag, f"{registry}/{tag}"], capture_output=True)
