@@ -109,6 +109,11 @@ def needs(dockerfile: Path) -> set[str]:
     return out
 
 
+def dockerfile(task: Path) -> Path:
+    """A task folder's Dockerfile: Harbor's `environment/Dockerfile`, else Terminal-Bench 1's at its top."""
+    return task / "environment" / "Dockerfile" if (task / "environment" / "Dockerfile").is_file() else task / "Dockerfile"
+
+
 def funnel(report: dict) -> list[tuple[str, str, int]]:
     """(status, cause, tasks) rows, by status then count."""
     counts = Counter()
@@ -182,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"import with the build and gate, per task: median {statistics.median(seconds.values()):.0f} s (min {min(seconds.values()):.0f}, "
               f"max {max(seconds.values()):.0f})" + (f"; of the {len(built)} built, median {statistics.median(built):.0f} s" if built else "")
               + (f"; image size median {statistics.median(sizes):.0f} MB" if sizes else ""))
-    needed = Counter(need for name in sample for need in needs(args.folder / name / "environment" / "Dockerfile"))
+    needed = Counter(need for name in sample for need in needs(dockerfile(args.folder / name)))
     print(f"\n{'what the Dockerfiles need':<66} {'tasks':>5}")
     for need, n in sorted(needed.items(), key=lambda x: (-x[1], x[0])):
         print(f"{need:<66} {n:>5}")

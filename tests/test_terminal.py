@@ -619,7 +619,7 @@ def test_the_bwrap_sandbox_has_the_network_only_when_given_it_and_its_cpu_quota_
 
 
 def test_the_import_benchmark_samples_by_difficulty_and_lists_every_need_of_a_dockerfile(tmp_path):
-    from benchmarks.terminal_import import cause, needs, stratified
+    from benchmarks.terminal_import import cause, dockerfile, needs, stratified
 
     names = [f"t{i}_hard" for i in range(6)] + [f"t{i}_medium_1" for i in range(3)] + ["plain"]
     picked = stratified(names, 5, seed=0)
@@ -630,6 +630,9 @@ def test_the_import_benchmark_samples_by_difficulty_and_lists_every_need_of_a_do
                                          "COPY data /workspace/data\nRUN [\"curl\", \"-O\", \"https://x\"]\n")
     assert needs(tmp_path / "Dockerfile") == {"base image ghcr.io/x/ubuntu:1", "WORKDIR outside /app", "RUN apt-get", "RUN pip3",
                                               "COPY outside /app", "RUN curl"}
+    (tmp_path / "tb1").mkdir()
+    (tmp_path / "tb1" / "Dockerfile").write_text("FROM ghcr.io/x/python-3-13:1\nWORKDIR /app\n")
+    assert needs(dockerfile(tmp_path / "tb1")) == {"base image ghcr.io/x/python-3-13:1"}, "a Terminal-Bench 1 task's Dockerfile is at its top"
     assert cause("Dockerfile:3 `RUN apt-get update`: `apt-get` installs or downloads") == "`apt-get` installs or downloads"
     assert cause("docker build exited with status 100: E: Unable to locate package r-base-dev") == "apt: a package the base's Debian lacks"
     assert cause("the build did not end in 1800 s: Step 3/9") == "the build timed out"
