@@ -71,7 +71,7 @@ BUILD_CAUSES = (
     (r"No matching distribution|Could not find a version", "pip: no matching distribution"),
     (r"pip3?: (command )?not found|No module named pip", "pip: not in the base"),
     (r"did not end in", "the build timed out"),
-    (r"Temporary failure resolving|Could not resolve|Network is unreachable", "network: a download failed"),
+    (r"Temporary failure resolving|Could not resolve|Network is unreachable|Name or service not known", "network: a download failed"),
     (r"^docker build exited with status 4: .*\bwget\b|^docker build exited with status [67]: .*\bcurl\b",
      "network: wget or curl could not reach its host (here only the package indexes answer)"),
     (r"COPY failed|failed to compute cache key|not found: not found", "COPY: a file missing from the context"),

@@ -638,6 +638,8 @@ def test_the_import_benchmark_samples_by_difficulty_and_lists_every_need_of_a_do
     assert cause("the build did not end in 1800 s: Step 3/9") == "the build timed out"
     assert cause("docker build exited with status 4: Step 7/16 : RUN cd /opt && wget -q https://dl.google.com/x.zip | ---> Running in ab") == \
         "network: wget or curl could not reach its host (here only the package indexes answer)"
+    assert cause("docker build exited with status 2: ERROR:  Could not find a valid gem 'cocoapods' (>= 0), here is why: | Unable to "
+                 "download data from https://rubygems.org/ - SocketError: (getaddrinfo: Name or service not known)") == "network: a download failed"
     assert cause("docker build exited with status 4: Step 7/16 : RUN make | ---> Running in ab") == "other (the task's own build step failed)"
     assert cause("docker build exited with status 1: make: *** [all] Error 2") == "other (the task's own build step failed)"
 
