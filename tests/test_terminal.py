@@ -224,9 +224,51 @@ def test_a_bad_task_folder_names_the_file_and_the_field(tmp_path):
     (t / "task.toml").write_text("[metadata\n")
     with pytest.raises(TaskError, match=r"task.toml: not valid TOML"):
         read_task(t)
+    for validators, why in (('["../count.py"]', "must be a list of file names in tests/"), ('"test_count.py"', "must be a list"),
+                            ('["test_other.py"]', "names test_other.py, which is not a file in")):
+        (t / "task.toml").write_text(f"[qevolve]\nvalidators = {validators}\n")
+        with pytest.raises(TaskError, match=re.escape(why)):
+            read_task(t)
     shutil.rmtree(t / "tests")
     with pytest.raises(TaskError, match=r"tests: missing; a terminal task needs"):
         read_task(t)
+
+
+def test_the_validators_are_the_files_a_tasks_test_runner_names_as_harbor_runs_them(tmp_path):
+    import json
+
+    from qevolve.envs.terminal_import import import_tasks, validators
+
+    src = tmp_path / "src"
+    harbor = _task(src, "named", split=".")  # TermiGen's shape: test.sh runs one file; another test_*.py is a puzzle's
+    (harbor / "environment" / "setup.sh").unlink()
+    (harbor / "environment" / "data.txt").write_text("a\nb\nc\n")
+    (harbor / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\nCOPY data.txt /app/\n")
+    (harbor / "tests" / "test.sh").write_text("#!/bin/bash\npytest /tests/test_count.py -rA\necho 1 > /logs/verifier/reward.txt\n")
+    (harbor / "tests" / "test_fixture_puzzle.py").write_text("def test_needs_a_fixture(db_connection):\n    assert db_connection\n")
+    every = _task(src, "every", split=".")  # no runner naming files: every test_*.py validates
+    (every / "environment" / "setup.sh").unlink()
+    (every / "environment" / "data.txt").write_text("a\nb\nc\n")
+    (every / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\nCOPY data.txt /app/\n")
+    (every / "tests" / "test_fixture_puzzle.py").write_text("def test_needs_a_fixture(db_connection):\n    assert db_connection\n")
+    import_tasks(src, tmp_path / "dest", gate=False)
+    assert read_task(tmp_path / "dest" / "test" / "named")["validators"] == ["test_count.py"]
+    assert read_task(tmp_path / "dest" / "test" / "every")["validators"] == []
+    env = TerminalEnv(str(tmp_path / "dest"), TerminalConfig(sandbox="local", command_timeout=5), 5)
+    won = {t.id: _play(env, t, ["wc -l < data.txt > count.txt", SUBMIT])[1][-1].won for t in env.tasks("test")}
+    assert won == {"named": True, "every": False}, "the fixture-less file decides only where no runner names the validators"
+    env.close()
+    tb1 = tmp_path / "tb1"
+    (tb1 / "tests").mkdir(parents=True)
+    (tb1 / "tests" / "test_outputs.py").write_text("")
+    (tb1 / "run-tests.sh").write_text("uv run pytest $TEST_DIR/test_outputs.py -rA\nuv run pytest ${TEST_DIR}/test_outputs.py\n")
+    assert validators(tb1 / "run-tests.sh", {"test_outputs.py"}) == ["test_outputs.py"]
+    assert validators(tb1 / "none.sh", {"test_outputs.py"}) == []
+    (tb1 / "run-tests.sh").write_text("pytest /tests/test_missing.py\n")
+    with pytest.raises(ValueError, match="runs test_missing.py, which tests/ does not hold"):
+        validators(tb1 / "run-tests.sh", {"test_outputs.py"})
+    report = json.loads((tmp_path / "dest" / "test" / "import.json").read_text())
+    assert {k: v["status"] for k, v in report.items()} == {"named": "imported", "every": "imported"}
 
 
 def test_the_oracle_is_split_into_its_command_lines_unless_a_line_does_not_parse_alone():

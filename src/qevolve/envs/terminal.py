@@ -12,7 +12,9 @@ A task is a folder in the Harbor / Terminal-Bench 2 layout, under `env.data_dir/
   build context of the task's own image (`qevolve terminal-import --build`): the episode then runs in a
   container of that image (`qevolve.envs.task_images`; built or pulled when missing), in a copy of what the
   image holds in its working directory, mounted there, and so do the validators, with the image's python3;
-- `tests/`: pytest validators of the end state, which the agent never sees;
+- `tests/`: pytest validators of the end state, which the agent never sees: every `test_*.py`, or the files
+  `task.toml`'s `[qevolve] validators` names (the rest of `tests/` then only supports them; an imported task's are
+  the ones its `tests/test.sh` or `run-tests.sh` hands pytest, as Harbor runs them);
 - `solution/solve.sh`: the oracle, one command per line (the expert's steps; a script whose lines do not
   each parse alone is one step). Optional: a task without one is *validator-only*. It can be played, evaluated,
   trained on by RL and rolled out by an LLM teacher (the validators decide), but gives no expert demonstration
@@ -38,6 +40,7 @@ Residual risk: tests that import the agent's code run it in the validators' proc
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import shutil
 import subprocess
@@ -88,6 +91,12 @@ def read_task(folder: Path) -> dict:
         raise TaskError(f"{path}: environment.allow_internet must be true or false, got {out['allow_internet']!r}")
     if not isinstance(out["category"], str) or not out["category"]:
         raise TaskError(f"{path}: metadata.category must be a non-empty string, got {out['category']!r}")
+    out["validators"] = meta.get("qevolve", {}).get("validators", [])
+    if not isinstance(out["validators"], list) or not all(isinstance(f, str) and re.fullmatch(r"[\w.-]+\.py", f) for f in out["validators"]):
+        raise TaskError(f"{path}: qevolve.validators must be a list of file names in tests/ (name.py, no folder), got {out['validators']!r}")
+    missing = [f for f in out["validators"] if not (folder / "tests" / f).is_file()]
+    if missing:
+        raise TaskError(f"{path}: qevolve.validators names {missing[0]}, which is not a file in {folder / 'tests'}")
     return out
 
 
@@ -286,10 +295,11 @@ class TerminalEnv:
             session = self._sandbox(tuple(zip((tests, config, report), VALIDATOR_MOUNTS, (False, False, True))), validators=True)
             try:
                 inside = session.where
+                targets = " ".join(f"{inside('/tests')}/{f}" for f in self.meta["validators"]) or inside("/tests")
                 run = session.run("".join(f"{e}; " for e in exports) +
                                   f"cd {session.app} && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {session.python} -I -m pytest -q -p no:cacheprovider "
                                   f"-c {inside('/qevolve')}/pytest.ini --rootdir {inside('/tests')} --confcutdir {inside('/tests')} "
-                                  f"--junitxml {inside('/report')}/{name} {inside('/tests')}", self.verifier_timeout)
+                                  f"--junitxml {inside('/report')}/{name} {targets}", self.verifier_timeout)
             finally:
                 session.close()
             try:

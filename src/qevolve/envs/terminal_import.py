@@ -13,7 +13,9 @@ built: a task is imported when its Dockerfile reduces to what the bwrap sandbox 
 Anything else (a package manager, a download, a program the host lacks, a multi-stage `COPY --from`, a
 `WORKDIR` other than /app, a docker-compose file with services) marks the task `needs_docker`, with the
 Dockerfile's line. The validators are the task's pytest files (`tests/test_*.py`), run as the terminal
-environment runs them; Harbor's `tests/test.sh`, which installs pytest from the network, is not run. A
+environment runs them; where the task's test runner (Harbor's `tests/test.sh`, TB1's `run-tests.sh`) hands pytest
+named files, those alone (`[qevolve] validators` in the imported task.toml), as Harbor runs them. The runner itself
+is not run: its pytest install needs the network and its verdict is a file it writes, with no per-test results. A
 task without pytest files is `unsupported`. A task without an oracle (`solution/solve.sh`, TB1's `solution.sh`)
 is imported validator-only (`oracle: false` in the report): it can be evaluated, trained on by RL and rolled
 out by an LLM teacher, not demonstrated by an expert (`qevolve.envs.terminal`). Imported tasks then go through
@@ -162,10 +164,24 @@ def _layout(folder: Path) -> dict | None:
     """Where a task folder keeps its parts (Harbor / TB2, or TB1), or None when it is not a task."""
     if (folder / "task.toml").is_file() and (folder / "instruction.md").is_file():
         return {"kind": "harbor", "dockerfile": folder / "environment" / "Dockerfile", "compose": folder / "environment" / "docker-compose.yaml",
-                "solution": folder / "solution" / "solve.sh"}
+                "solution": folder / "solution" / "solve.sh", "runner": folder / "tests" / "test.sh"}
     if (folder / "task.yaml").is_file():
-        return {"kind": "tb1", "dockerfile": folder / "Dockerfile", "compose": folder / "docker-compose.yaml", "solution": folder / "solution.sh"}
+        return {"kind": "tb1", "dockerfile": folder / "Dockerfile", "compose": folder / "docker-compose.yaml", "solution": folder / "solution.sh",
+                "runner": folder / "run-tests.sh"}
     return None
+
+
+def validators(runner: Path, tests: set[str]) -> list[str]:
+    """The files of `tests/` a task's test runner (Harbor's `tests/test.sh`, TB1's `run-tests.sh`) hands pytest, as
+    `/tests/NAME.py` or `$TEST_DIR/NAME.py`, in order; [] when it names none or there is no runner (then every
+    `test_*.py` is a validator). A named file `tests/` lacks is a ValueError (unsupported)."""
+    if not runner.is_file():
+        return []
+    named = list(dict.fromkeys(re.findall(r"(?:/tests|\$\{?TEST_DIR\}?)/([\w.-]+\.py)\b", runner.read_text(errors="replace"))))
+    missing = [n for n in named if n not in tests]
+    if missing:
+        raise ValueError(f"{runner}: runs {missing[0]}, which tests/ does not hold")
+    return named
 
 
 def _compose_services(path: Path) -> int:
@@ -230,6 +246,11 @@ def convert(folder: Path, out: Path, base: tuple[tuple[str, str], ...] | None = 
     if parts["solution"].is_file():
         (out / "solution").mkdir()
         shutil.copy2(parts["solution"], out / "solution" / "solve.sh")
+    named = validators(parts["runner"], {t.name for t in (folder / "tests").iterdir() if t.is_file()})
+    if named:  # appended as a table of its own
+        if "qevolve" in tomllib.loads(toml):
+            raise ValueError(f"{folder / 'task.toml'}: a [qevolve] table of its own (the importer writes that table)")
+        toml = f"{toml.rstrip()}\n\n# the validators {parts['runner'].name} runs (qevolve terminal-import)\n[qevolve]\nvalidators = {json.dumps(named)}\n"
     (out / "instruction.md").write_text(instruction.strip() + "\n")
     (out / "task.toml").write_text(toml)
     return image
