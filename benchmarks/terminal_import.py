@@ -203,7 +203,8 @@ def remove(image: str | None) -> None:
 
 def write(args, names, sample, report, seconds, needed=None) -> None:
     """The `--out` file (atomically): the sample, each task's outcome, and with `--build` the times so far."""
-    write_json(args.out, {"folder": str(args.folder), "seed": args.seed, "sandbox": args.sandbox, "of": len(names),
+    write_json(args.out, {"folder": str(args.folder), "seed": args.seed, "sandbox": "docker, each task's image" if args.build else args.sandbox,
+                          "of": len(names),
                           "sample": sample, "report": report, **({"needs": dict(needed)} if needed is not None else {}),
                           **({"build": {"base": args.base, "network": args.build_network, "seconds": seconds}} if args.build else {})})
 
