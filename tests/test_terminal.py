@@ -240,17 +240,15 @@ def test_the_validators_are_the_files_a_tasks_test_runner_names_as_harbor_runs_t
     from qevolve.envs.terminal_import import import_tasks, validators
 
     src = tmp_path / "src"
-    harbor = _task(src, "named", split=".")  # TermiGen's shape: test.sh runs one file; another test_*.py is a puzzle's
-    (harbor / "environment" / "setup.sh").unlink()
-    (harbor / "environment" / "data.txt").write_text("a\nb\nc\n")
-    (harbor / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\nCOPY data.txt /app/\n")
-    (harbor / "tests" / "test.sh").write_text("#!/bin/bash\npytest /tests/test_count.py -rA\necho 1 > /logs/verifier/reward.txt\n")
-    (harbor / "tests" / "test_fixture_puzzle.py").write_text("def test_needs_a_fixture(db_connection):\n    assert db_connection\n")
-    every = _task(src, "every", split=".")  # no runner naming files: every test_*.py validates
-    (every / "environment" / "setup.sh").unlink()
-    (every / "environment" / "data.txt").write_text("a\nb\nc\n")
-    (every / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\nCOPY data.txt /app/\n")
-    (every / "tests" / "test_fixture_puzzle.py").write_text("def test_needs_a_fixture(db_connection):\n    assert db_connection\n")
+    # TermiGen's shape: test.sh runs one file, and tests/ holds another test_*.py, the puzzle's, that cannot pass;
+    # "every" has no runner naming files, so every test_*.py validates
+    for name in ("named", "every"):
+        task = _task(src, name, split=".")
+        (task / "environment" / "setup.sh").unlink()
+        (task / "environment" / "data.txt").write_text("a\nb\nc\n")
+        (task / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\nCOPY data.txt /app/\n")
+        (task / "tests" / "test_fixture_puzzle.py").write_text("def test_needs_a_fixture(db_connection):\n    assert db_connection\n")
+    (src / "named" / "tests" / "test.sh").write_text("#!/bin/bash\npytest /tests/test_count.py -rA\necho 1 > /logs/verifier/reward.txt\n")
     import_tasks(src, tmp_path / "dest", gate=False)
     assert read_task(tmp_path / "dest" / "test" / "named")["validators"] == ["test_count.py"]
     assert read_task(tmp_path / "dest" / "test" / "every")["validators"] == []
@@ -262,11 +260,11 @@ def test_the_validators_are_the_files_a_tasks_test_runner_names_as_harbor_runs_t
     (tb1 / "tests").mkdir(parents=True)
     (tb1 / "tests" / "test_outputs.py").write_text("")
     (tb1 / "run-tests.sh").write_text("uv run pytest $TEST_DIR/test_outputs.py -rA\nuv run pytest ${TEST_DIR}/test_outputs.py\n")
-    assert validators(tb1 / "run-tests.sh", {"test_outputs.py"}) == ["test_outputs.py"]
-    assert validators(tb1 / "none.sh", {"test_outputs.py"}) == []
+    assert validators(tb1 / "run-tests.sh", tb1 / "tests") == ["test_outputs.py"]
+    assert validators(tb1 / "none.sh", tb1 / "tests") == []
     (tb1 / "run-tests.sh").write_text("pytest /tests/test_missing.py\n")
-    with pytest.raises(ValueError, match="runs test_missing.py, which tests/ does not hold"):
-        validators(tb1 / "run-tests.sh", {"test_outputs.py"})
+    with pytest.raises(ValueError, match=r"runs test_missing.py, which \S*tb1/tests does not hold"):
+        validators(tb1 / "run-tests.sh", tb1 / "tests")
     report = json.loads((tmp_path / "dest" / "test" / "import.json").read_text())
     assert {k: v["status"] for k, v in report.items()} == {"named": "imported", "every": "imported"}
 

@@ -171,16 +171,16 @@ def _layout(folder: Path) -> dict | None:
     return None
 
 
-def validators(runner: Path, tests: set[str]) -> list[str]:
-    """The files of `tests/` a task's test runner (Harbor's `tests/test.sh`, TB1's `run-tests.sh`) hands pytest, as
+def validators(runner: Path, tests: Path) -> list[str]:
+    """The files of `tests` a task's test runner (Harbor's `tests/test.sh`, TB1's `run-tests.sh`) hands pytest, as
     `/tests/NAME.py` or `$TEST_DIR/NAME.py`, in order; [] when it names none or there is no runner (then every
-    `test_*.py` is a validator). A named file `tests/` lacks is a ValueError (unsupported)."""
+    `test_*.py` is a validator). A named file `tests` lacks is a ValueError (unsupported)."""
     if not runner.is_file():
         return []
     named = list(dict.fromkeys(re.findall(r"(?:/tests|\$\{?TEST_DIR\}?)/([\w.-]+\.py)\b", runner.read_text(errors="replace"))))
-    missing = [n for n in named if n not in tests]
+    missing = [n for n in named if not (tests / n).is_file()]
     if missing:
-        raise ValueError(f"{runner}: runs {missing[0]}, which tests/ does not hold")
+        raise ValueError(f"{runner}: runs {missing[0]}, which {tests} does not hold")
     return named
 
 
@@ -246,7 +246,7 @@ def convert(folder: Path, out: Path, base: tuple[tuple[str, str], ...] | None = 
     if parts["solution"].is_file():
         (out / "solution").mkdir()
         shutil.copy2(parts["solution"], out / "solution" / "solve.sh")
-    named = validators(parts["runner"], {t.name for t in (folder / "tests").iterdir() if t.is_file()})
+    named = validators(parts["runner"], folder / "tests")
     if named:  # appended as a table of its own
         if "qevolve" in tomllib.loads(toml):
             raise ValueError(f"{folder / 'task.toml'}: a [qevolve] table of its own (the importer writes that table)")
