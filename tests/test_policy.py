@@ -97,6 +97,19 @@ def test_bc_step_lowers_loss_and_changes_only_the_adapter(tiny_base):
     assert all(torch.equal(params[n], v) for n, v in frozen.items())
 
 
+def test_a_fresh_adapter_depends_on_its_seed_alone(tiny_base):
+    """The BC stages' starting adapter: torch 2.13 seeds its global generator differently in each process, and a
+    flow's earlier stages move it, so the adapter must not be drawn from whatever state it is in."""
+    def lora_a(seed, state_before):
+        torch.manual_seed(state_before)
+        model, _ = load_policy(tiny_base, MODEL, seed=seed)
+        return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n}
+
+    first, moved, other = lora_a(3, 1), lora_a(3, 2), lora_a(4, 1)
+    assert first and all(torch.equal(first[n], moved[n]) for n in first)
+    assert any(not torch.equal(first[n], other[n]) for n in first)
+
+
 def test_packed_bc_loss_equals_padded_loss(tiny_base):
     from qevolve.training import pack
 

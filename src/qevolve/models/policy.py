@@ -29,8 +29,10 @@ _ACTION_LINE = re.compile(r"^\s*action\s*:[^\n]*\S[^\n]*\n", re.IGNORECASE | re.
 """An `Action:` line with a command, ended by a newline: nothing after it is read."""
 
 
-def lora_model(model, cfg: ModelConfig, names: Sequence[str] = ("default",)):
-    """`model` with a fresh LoRA adapter per name (the first active), all of them trainable."""
+def lora_model(model, cfg: ModelConfig, names: Sequence[str] = ("default",), seed: int | None = None):
+    """`model` with a fresh LoRA adapter per name (the first active), all of them trainable. With `seed`, the
+    adapters' initial weights depend on it alone: torch's global generator is seeded first (torch 2.13 seeds it
+    differently in every process, and a flow's earlier stages move it). Without, they are drawn from its state."""
     from peft import LoraConfig, get_peft_model
 
     extra = {}
@@ -44,6 +46,8 @@ def lora_model(model, cfg: ModelConfig, names: Sequence[str] = ("default",)):
         task_type="CAUSAL_LM",
         **extra,
     )
+    if seed is not None:
+        torch.manual_seed(seed)
     peft = get_peft_model(model, lora, adapter_name=names[0])
     for name in names[1:]:
         peft.add_adapter(name, lora)
@@ -58,10 +62,10 @@ def _embedding_module_names(model) -> list[str]:
 
 
 def load_policy(base_dir: Path | str, cfg: ModelConfig, adapter: Path | str | None = None, trainable: bool = False,
-                names: Sequence[str] = ()):
-    """(model, tokenizer): a peft model with a fresh LoRA adapter, or with the one saved at `adapter`
-    when `trainable`; otherwise that adapter merged into the base weights (peft's `merge_and_unload`),
-    a plain transformers model for inference. Merged, a forward pass skips the LoRA matrices: the embedded
+                names: Sequence[str] = (), seed: int | None = None):
+    """(model, tokenizer): a peft model with a fresh LoRA adapter (its initial weights set by `seed` alone when
+    given: `lora_model`), or with the one saved at `adapter` when `trainable`; otherwise that adapter merged into
+    the base weights (peft's `merge_and_unload`), a plain transformers model for inference. Merged, a forward pass skips the LoRA matrices: the embedded
     policy takes 1.4x less time per rollout step on a CPU (benchmarks/README.md, `rollout`), and its
     logits change by float rounding only.
 
@@ -73,7 +77,7 @@ def load_policy(base_dir: Path | str, cfg: ModelConfig, adapter: Path | str | No
     dtype = "float32" if cfg.dtype == "auto" and cfg.lora.train_embeddings else cfg.dtype
     model, tok = load_base(base_dir, dtype, cfg.device)
     if adapter is None:
-        return lora_model(model, cfg, names or ("default",)), tok
+        return lora_model(model, cfg, names or ("default",), seed), tok
     folders = {name: Path(adapter) / name for name in names} or {"default": Path(adapter)}
     for name, folder in folders.items():
         try:

@@ -59,7 +59,7 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
     if not trajs:
         raise ValueError(f"{experts_dir}: no expert trajectories to clone")
     check_tasks(make_env(params.env), trajs, str(experts_dir))
-    model, tok = load_policy(base_dir, loading_config(params.model, params.train))
+    model, tok = load_policy(base_dir, loading_config(params.model, params.train), seed=cfg.seed)
     model = shard(model, params.train, params.model.device)
     one_shot = one_shot_text(trajs) if params.prompt.one_shot else ""
     builder = PromptBuilder(tok, params.model.context_tokens, one_shot, params.prompt.repeat_task, params.prompt.max_observation_tokens,

@@ -54,7 +54,8 @@ def bc(params: Params, base_dir: Path, data_dir: Path, out: Path, metrics_path: 
         raise ValueError(f"{data_dir}: no annotated transitions to clone")
     hrl = section(params)
     adapters, progress = hrl.adapters, bool(sets["progress"])
-    model, tok = load_policy(base_dir, loading_config(params.model, params.train), names=role_names(adapters, progress))
+    model, tok = load_policy(base_dir, loading_config(params.model, params.train), names=role_names(adapters, progress),
+                           seed=cfg.seed)
     model = shard(model, params.train, params.model.device)
     builder = role_builder(params, tok)
     weight = {"high": 1.0 / hrl.high_interval, "low": 1.0, "progress": 1.0}
