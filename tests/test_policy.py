@@ -2,7 +2,7 @@ import torch
 
 from qevolve.config import ModelConfig
 from qevolve.models.backend import HFBackend
-from qevolve.models.policy import Actor, load_policy
+from qevolve.models.policy import Actor, load_policy, save_adapters
 from qevolve.models.prompt import PromptBuilder
 from qevolve.config import BCConfig
 from qevolve.stages.bc import bc_step
@@ -108,6 +108,29 @@ def test_a_fresh_adapter_depends_on_its_seed_alone(tiny_base):
     first, moved, other = lora_a(3, 1), lora_a(3, 2), lora_a(4, 1)
     assert first and all(torch.equal(first[n], moved[n]) for n in first)
     assert any(not torch.equal(first[n], other[n]) for n in first)
+
+
+def test_a_saved_adapter_config_does_not_depend_on_set_order(tiny_base, tmp_path):
+    """peft holds `target_modules` ("all-linear" resolved) as a set and writes it in the set's order, which string
+    hashing changes from process to process: the same adapter got two DVC hashes. Two iteration orders stand in
+    for two processes."""
+    class Ordered(set):
+        def __init__(self, items=()):
+            super().__init__(items)
+            self.order = list(items)
+
+        def __iter__(self):
+            return iter(self.order)
+
+    model, _ = load_policy(tiny_base, MODEL, seed=0)
+    modules = sorted(model.peft_config["default"].target_modules)
+    assert len(modules) > 1
+    texts = []
+    for i, order in enumerate((modules, modules[::-1])):
+        model.peft_config["default"].target_modules = Ordered(order)
+        save_adapters(model, tmp_path / str(i))
+        texts.append((tmp_path / str(i) / "adapter_config.json").read_text())
+    assert texts[0] == texts[1]
 
 
 def test_packed_bc_loss_equals_padded_loss(tiny_base):

@@ -16,7 +16,7 @@ from qevolve.errors import artifact
 from qevolve.hierarchy.roles import ROLES, encode
 from qevolve.models.base import causal_lm
 from qevolve.models.device import model_device
-from qevolve.models.policy import load_policy
+from qevolve.models.policy import load_policy, save_adapters
 from qevolve.models.device import pad_ids
 
 
@@ -131,7 +131,7 @@ def save_critic(critic: LevelCritic, folder: Path, adapter: bool = True) -> None
 
     with atomic_dir(folder) as tmp:
         if adapter:
-            critic.lm.save_pretrained(tmp)
+            save_adapters(critic.lm, tmp)
         save_file({n: t.detach().contiguous() for n, t in critic.state_dict().items() if not n.startswith("lm.")}, str(tmp / "heads.safetensors"))
 
 

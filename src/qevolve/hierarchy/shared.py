@@ -18,7 +18,7 @@ from qevolve.errors import artifact
 from qevolve.hierarchy.agent import HierarchicalAgent
 from qevolve.hierarchy.config import section
 from qevolve.hierarchy.roles import ROLES, RolePrompts
-from qevolve.models.policy import load_policy, use_adapter
+from qevolve.models.policy import load_policy, save_adapters, use_adapter
 from qevolve.models.prompt import PromptBuilder
 
 COLLECTED = "transitions"
@@ -54,7 +54,7 @@ def write_roles(folder: Path, prompts: RolePrompts, subtasks: list[str], adapter
 def save_roles_policy(model, out: Path, previous_dir: Path) -> None:
     """Write the trained role adapter(s) to `out` atomically, with the roles file of the policy they came from."""
     with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp)
+        save_adapters(model, tmp)
         shutil.copy(Path(previous_dir) / ROLES_FILE, tmp / ROLES_FILE)
 
 

@@ -21,7 +21,7 @@ from qevolve.data.store import Trajectory
 from qevolve.errors import artifact
 from qevolve.models.base import causal_lm
 from qevolve.models.device import model_device
-from qevolve.models.policy import load_policy
+from qevolve.models.policy import load_policy, save_adapters
 from qevolve.models.prompt import PromptBuilder, Window
 from qevolve.models.device import is_main, pad_ids
 
@@ -60,7 +60,7 @@ class Critic(nn.Module):
         from safetensors.torch import save_file
 
         state = state if state is not None else {n: t.detach() for n, t in self.state_dict().items()}
-        self.lm.save_pretrained(out, state_dict={n.removeprefix("lm."): t for n, t in state.items() if n.startswith("lm.")})
+        save_adapters(self.lm, out, state_dict={n.removeprefix("lm."): t for n, t in state.items() if n.startswith("lm.")})
         heads = {n: t.contiguous() for n, t in state.items() if n.split(".", 1)[0] in ("v", "q", "q_target")}
         save_file(heads, str(out / HEADS_FILE))
 

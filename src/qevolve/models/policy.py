@@ -93,6 +93,18 @@ def load_policy(base_dir: Path | str, cfg: ModelConfig, adapter: Path | str | No
     return (model if trainable else model.merge_and_unload()), tok
 
 
+def save_adapters(model, folder, **kwargs) -> None:
+    """peft's `save_pretrained`, with `adapter_config.json` the same bytes in every process: peft writes a set-valued
+    field (`target_modules` once "all-linear" is resolved) in the set's order, which Python's string hashing changes
+    from process to process, so DVC would hash one adapter two ways and rerun every stage after it. Such fields are
+    made sorted lists first."""
+    for config in getattr(model, "peft_config", {}).values():
+        for key, value in vars(config).items():
+            if isinstance(value, set):
+                setattr(config, key, sorted(value, key=str))
+    model.save_pretrained(folder, **kwargs)
+
+
 def use_adapter(model, name: str) -> None:
     """Make the adapter `name` the one that acts; which parameters train stays as it was (peft's
     `set_adapter` alone would freeze the other adapters)."""

@@ -13,7 +13,7 @@ from qevolve.data.atomic import atomic_dir
 from qevolve.data.store import Trajectory, read_store
 from qevolve.envs import check_tasks, make_env
 from qevolve.models.base import target_logprobs
-from qevolve.models.policy import load_policy
+from qevolve.models.policy import load_policy, save_adapters
 from qevolve.environments import ENVIRONMENTS
 from qevolve.models.prompt import PROMPT_FILE, PromptBuilder, build_examples
 from qevolve.models.device import model_device
@@ -74,7 +74,7 @@ def bc(params: Params, base_dir: Path, experts_dir: Path, out: Path, metrics_pat
 
     def save() -> None:
         with atomic_dir(out) as tmp:
-            model.save_pretrained(tmp, state_dict=state)
+            save_adapters(model, tmp, state_dict=state)
             (tmp / PROMPT_FILE).write_text(json.dumps({"one_shot": one_shot, "repeat_task": params.prompt.repeat_task, "intro": builder.intro,
                                                        "keep_case": builder.keep_case}) + "\n")
 

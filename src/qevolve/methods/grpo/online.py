@@ -22,7 +22,7 @@ from qevolve.data.atomic import atomic_dir, atomic_path, write_json
 from qevolve.data.store import Trajectory
 from qevolve.envs import make_env, select_tasks
 from qevolve.models.device import placement
-from qevolve.models.policy import Actor, load_policy
+from qevolve.models.policy import Actor, load_policy, save_adapters
 from qevolve.models.prompt import PROMPT_FILE, make_builder
 from qevolve.policy_update import policy_items, policy_step, reference_pass
 from qevolve.rollout import another_round, count_round, online_metrics, play_in
@@ -83,7 +83,7 @@ def online(params: Params, base_dir: Path, previous_dir: Path, out: Path, metric
         with atomic_path(ckpt) as tmp:
             torch.save({**state, "model": trained_state(model, names)}, tmp)
     with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp)
+        save_adapters(model, tmp)
         (tmp / PROMPT_FILE).write_text((Path(previous_dir) / PROMPT_FILE).read_text())
     metrics = {
         **online_metrics(state, previous_metrics),

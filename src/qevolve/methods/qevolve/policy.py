@@ -19,7 +19,7 @@ from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir
 from qevolve.data.advantages import read_advantages
 from qevolve.data.store import read_store
-from qevolve.models.policy import load_policy
+from qevolve.models.policy import load_policy, save_adapters
 from qevolve.models.prompt import PROMPT_FILE, make_builder
 from qevolve.policy_update import policy_items, policy_step, reference_pass
 from qevolve.training import checkpoint_path, full_state, input_digest, last_epoch_mean, loading_config, save_and_report, shard, train
@@ -54,7 +54,7 @@ def policy(
 
     def save() -> None:
         with atomic_dir(out) as tmp:
-            model.save_pretrained(tmp, state_dict=state)
+            save_adapters(model, tmp, state_dict=state)
             (tmp / PROMPT_FILE).write_text((Path(previous_dir) / PROMPT_FILE).read_text())
 
     metrics = {

@@ -20,7 +20,7 @@ from qevolve.hierarchy.roles import ROLES, encode
 from qevolve.hierarchy.shared import role_builder, role_groups, role_names, role_prompts, write_roles
 from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device
-from qevolve.models.policy import load_policy
+from qevolve.models.policy import load_policy, save_adapters
 from qevolve.models.device import pad_ids
 from qevolve.training import checkpoint_path, full_state, input_digest, is_sharded, last_epoch_mean, loading_config, local_share, save_and_report, shard, train
 
@@ -69,7 +69,7 @@ def bc(params: Params, base_dir: Path, data_dir: Path, out: Path, metrics_path: 
 
     def save() -> None:
         with atomic_dir(out) as tmp:
-            model.save_pretrained(tmp, state_dict=state)
+            save_adapters(model, tmp, state_dict=state)
             write_roles(tmp, role_prompts(params, builder, progress), sorted({r["output_text"] for r in sets["high"]}), adapters)
 
     metrics = {
