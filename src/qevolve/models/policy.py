@@ -65,9 +65,9 @@ def load_policy(base_dir: Path | str, cfg: ModelConfig, adapter: Path | str | No
                 names: Sequence[str] = (), seed: int | None = None):
     """(model, tokenizer): a peft model with a fresh LoRA adapter (its initial weights set by `seed` alone when
     given: `lora_model`), or with the one saved at `adapter` when `trainable`; otherwise that adapter merged into
-    the base weights (peft's `merge_and_unload`), a plain transformers model for inference. Merged, a forward pass skips the LoRA matrices: the embedded
-    policy takes 1.4x less time per rollout step on a CPU (benchmarks/README.md, `rollout`), and its
-    logits change by float rounding only.
+    the base weights (peft's `merge_and_unload`), a plain transformers model for inference. Merged, a forward pass
+    skips the LoRA matrices: the embedded policy takes 1.4x less time per rollout step on a CPU
+    (benchmarks/README.md, `rollout`), and its logits change by float rounding only.
 
     With `names`: one adapter per name on the one base (fresh, or each from the subfolder of `adapter`
     named after it, as peft saves several), never merged; `use_adapter` picks the one that acts."""
