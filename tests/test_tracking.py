@@ -44,3 +44,20 @@ def test_the_summary_table_gives_each_rate_its_interval_and_count_and_the_critic
     row = next(line for line in table.splitlines() if line.startswith("bc"))
     assert row.split()[2:7] == ["16.7%", "[6.7%,", "35.9%]", "4/24", "2"]  # and the 2 episodes the environment failed, beside the rate
     assert "critic@1: mean V on won episodes 0.500, on lost 0.200 (separation +0.300; V's std 0.250)" in table
+
+
+def test_the_machine_record_names_the_variables_that_override_float_kernels(monkeypatch):
+    """MKL picks its matrix products' code path by the CPU, whatever torch's `cpu_capability`, and `MKL_CBWR`
+    overrides it (on this Intel machine the quickstart's BC model changed with `MKL_CBWR=AVX2`): a run's record
+    must say so."""
+    from flows.provenance import KERNEL_ENV, machine, machine_line
+
+    for name in KERNEL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    plain = machine()
+    assert plain["kernel_env"] == {} and f"{plain['cpu_capability']} kernels, " in machine_line(plain)
+    monkeypatch.setenv("MKL_CBWR", "AVX2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    here = machine()
+    assert here["kernel_env"] == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
+    assert " kernels ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2, " in machine_line(here)
