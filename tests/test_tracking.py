@@ -48,7 +48,7 @@ def test_the_summary_table_gives_each_rate_its_interval_and_count_and_the_critic
 
 def test_the_machine_record_names_the_variables_that_override_float_kernels(monkeypatch):
     """MKL picks its matrix products' code path by the CPU, whatever torch's `cpu_capability`, and `MKL_CBWR`
-    overrides it (on this Intel machine the quickstart's BC model changed with `MKL_CBWR=AVX2`): a run's record
+    overrides it (on an Intel Xeon the quickstart's BC model changed with `MKL_CBWR=AVX2`: README): a run's record
     must say so."""
     from flows.provenance import KERNEL_ENV, machine, machine_line
 
