@@ -15,7 +15,7 @@ from flows.provenance import machine, machine_line, packages_sha256
 from flows.table_spec import SPLITS, Spec
 from flows.workspace import demonstration_steps, own_env_steps, read_metrics
 from qevolve import paths
-from qevolve.algos.stats import clustered, paired_bootstrap, percent_interval
+from qevolve.algos.stats import clustered, difference_text, paired_bootstrap, percent_interval
 from qevolve.config import ConfigError
 from qevolve.data.atomic import atomic_path, write_json
 from qevolve.data.store import read_episodes
@@ -114,8 +114,10 @@ def rate_cell(seeds: list[dict], split: str, task_type: str | None = None) -> st
 
 
 def difference_cell(results: list[dict], r: dict, split: str) -> str:
-    """`+4.3 [-2.1, +10.8] vs #1`: this row's success minus its `against` row's on the tasks and seeds both
-    played, with the paired bootstrap's 95 % interval; empty where a row lacks per-task outcomes."""
+    """`+4.3 [-2.1, +10.8], better on 2 of 3 seeds vs #1`: this row's success minus its `against` row's on the tasks
+    and seeds both played, with the crossed paired bootstrap's 95 % interval and how many seeds' own differences
+    are above 0 (`difference_text`; where no pair differs, the exact bound); empty where a row lacks per-task
+    outcomes."""
     index = {x["row"]: i for i, x in enumerate(results, 1)}
     if r.get("against") not in index:
         return ""
@@ -137,7 +139,7 @@ def difference_cell(results: list[dict], r: dict, split: str) -> str:
         d = paired_bootstrap(a, b)
     except ValueError:
         return ""
-    return f"{percent_interval(d['difference'], d['low'], d['high'], signed=True)} vs #{index[other['row']]}"
+    return f"{difference_text(d)} vs #{index[other['row']]}"
 
 
 def fmt(values: list[float], percent: bool = False, digits: int = 3) -> str:
@@ -150,21 +152,22 @@ def fmt(values: list[float], percent: bool = False, digits: int = 3) -> str:
 
 
 LEGEND = ("success %: pooled over seeds, with its 95 % Wilson interval at the sample size left once episodes of one "
-          "task are counted as the correlated draws they are (Kish's design effect), and won/episodes. Δ: the row's success "
-          "minus the row named, on the tasks and seeds both played, with a 95 % paired bootstrap interval (tasks, then each "
-          "task's seeds, drawn again); an interval holding 0 does not tell the rows apart. env fail: episodes the environment "
-          "failed, left out of the rates. critic AUC: how well the critic of the row's iteration ranks won above lost episodes "
-          "it never trained on (`diagnose@k`, on the previous policy's evaluation episodes; a hierarchy's low level), mean "
-          "over seeds; 0.5 is chance; n/a: no held-out episode was won, or none lost.\n")
+          "task are counted as the correlated draws they are (Kish's design effect; a rate of 0 or 100 % at its number of "
+          "tasks), and won/episodes. Δ: the row's success minus the row named, on the tasks and seeds both played, with a 95 % "
+          "paired bootstrap interval (tasks and seeds drawn independently: a seed is one trained model that plays every "
+          "task) and on how many seeds the row's own difference is above 0; an interval holding 0 does not tell the rows "
+          "apart; \"no discordant pair\": the rows agree on every task, and |Δ| is at most the exact 95 % bound given. env "
+          "fail: episodes the environment failed, left out of the rates. critic AUC: how well the critic of the row's "
+          "iteration ranks won above lost episodes it never trained on (`diagnose@k`, on the previous policy's evaluation "
+          "episodes; a hierarchy's low level), per seed; 0.5 is chance; n/a: no held-out episode was won, or none lost.\n")
 
 
 def auc_cell(seeds: list[dict]) -> str:
-    """The mean held-out critic AUC over the seeds that have one, and how many when not all; n/a where the critic
-    was diagnosed but no seed's held-out episodes had both outcomes; '' where it had no critic."""
-    aucs = [s["critic_auc"] for s in seeds if s.get("critic_auc") is not None]
-    if not aucs:
-        return "n/a" if any("critic_auc" in s for s in seeds) else ""
-    return f"{statistics.mean(aucs):.2f}" + (f" ({len(aucs)} of {len(seeds)})" if len(aucs) < len(seeds) else "")
+    """Each seed's held-out critic AUC (a mean would hide a seed at chance), n/a for a seed whose held-out episodes
+    did not have both outcomes; '' where the row had no critic."""
+    if not any("critic_auc" in s for s in seeds):
+        return ""
+    return " / ".join("n/a" if s.get("critic_auc") is None else f"{s['critic_auc']:.2f}" for s in seeds)
 
 
 def env_failures(seeds: list[dict], splits: tuple[str, ...]) -> int:

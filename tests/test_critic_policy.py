@@ -165,11 +165,13 @@ def diagnosed(tmp_path, tiny_base, signal: bool, moved: bool) -> dict:
 
 def test_the_diagnosis_warns_of_a_critic_without_contrast_and_an_update_that_did_nothing(tmp_path, tiny_base):
     blind = diagnosed(tmp_path / "blind", tiny_base, signal=False, moved=False)
-    assert blind["no_contrast"] == 1 and blind["critic_auc_low"] <= 0.5 <= blind["critic_auc_high"], blind
+    assert blind["no_contrast"] == 1 and blind["critic_auc_p"] >= 0.05, blind
     assert blind["no_op"] == 1 and blind["kl_previous_new"] == pytest.approx(0.0, abs=1e-6)
     assert [w.split(":")[0] for w in blind["warnings"]] == ["the critic carries no contrast", "the update is a no-op"]
     seeing = diagnosed(tmp_path / "seeing", tiny_base, signal=True, moved=True)
-    assert seeing["no_contrast"] == 0 and seeing["critic_auc_low"] > 0.5 and seeing["heldout_won"] == 16, seeing
+    assert seeing["no_contrast"] == 0 and seeing["critic_auc_p"] < 0.05 and seeing["heldout_won"] == 16, seeing
+    # Won episodes saw the desk at step 1, lost ones "Nothing happens.": compared at the same step, the critic ranks them
+    assert seeing["critic_auc_matched"] > 0.8 and seeing["critic_matched_pairs"] > 0 and seeing["critic_auc_s0_p"] is not None
     assert seeing["kl_previous_new"] > 1e-4 and seeing["kl_tokens"] > 0 and seeing["warnings"] == []
 
 
@@ -180,7 +182,26 @@ def test_a_critic_that_ranks_lost_above_won_or_sees_no_outcome_is_warned_of():
     low, high = [0.1 + i / 100 for i in range(20)], [0.6 + i / 100 for i in range(20)]
     inverted, right = auc(low, high), auc(high, low)
     assert useless(inverted) == 1 and contrast_warning(inverted, 40) == (
-        "the critic ranks lost above won: its AUC for won against lost held-out episodes is 0.00 [0.00, 0.00], below chance (0.5)")
+        "the critic ranks lost above won: its AUC for won against lost held-out episodes is 0.00 (exact p 1.5e-11, 20 won, 20 lost), "
+        "below chance (0.5)")
     assert useless(right) == 0 and contrast_warning(right, 40) is None
     assert contrast_warning(auc([], [0.2]), 1) == "no held-out episode was won (of 1): the critic's contrast cannot be measured"
     assert useless(auc([], [0.2])) == 1
+    few = auc([0.9, 0.8, 0.7], [0.1] * 30)  # ties: only the top three are as extreme, p = 1 / C(33, 3)
+    assert useless(few) == 1 and contrast_warning(few, 33) == (
+        "the critic's contrast cannot be told from chance: its AUC for won against lost held-out episodes is 1.00 (exact p 0.00018, "
+        "3 won, 30 lost), and at least 5 of each are needed")
+
+
+def test_credit_assignment_is_read_where_episodes_are_alike():
+    from qevolve.stages.diagnosis import credit_aucs
+
+    # V falls with t and is the same for every episode at each step: the mean V ranks the short (won) episodes
+    # above the long (lost) ones, but V(s0) and V compared at the same step cannot
+    falling = [[1.0, 0.8], [1.0, 0.8], [1.0, 0.8, 0.6, 0.4], [1.0, 0.8, 0.6, 0.4, 0.2]]
+    won = [True, True, False, False]
+    got = credit_aucs(falling, won)
+    assert (got["auc_s0"], got["auc_matched"], got["matched_pairs"]) == (0.5, 0.5, 4) and got["auc_s0_p"] == 1.0
+    # One that knows: won episodes' V rises at step 1, lost ones' falls; steps 2-3 have no won episode left
+    knowing = [[0.5, 0.9], [0.5, 0.8], [0.5, 0.2, 0.1, 0.1], [0.5, 0.3, 0.2]]
+    assert credit_aucs(knowing, won) == {"auc_s0": 0.5, "auc_s0_p": 1.0, "auc_matched": 1.0, "matched_pairs": 4}

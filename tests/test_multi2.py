@@ -285,9 +285,9 @@ def test_the_miniature_spec_validates_and_its_table_counts_successes_by_depth():
     # Without per-task outcomes each episode counts alone: depth2 4 of 8, Wilson: z²/n = 0.48018, centre 0.5, half-width
     # 1.96·√(0.03125 + 0.015006) / 1.48018 = 0.28479; depth3 1 of 4: centre 0.37247, half-width 0.32689; all: 5 of 12
     assert "| 50.0 [21.5, 78.5] (4/8) | 25.0 [4.6, 69.9] (1/4) | 41.7 [19.3, 68.0] (5/12) |  | 0 | 110 ± 14 / 290 ± 14 | 2.50 ± 0.71 | 20.0 ± 14.1 | 25.0 ± 35.4 |" in line
-    assert line.endswith("| 25.0 ± 35.4 | 0.62 (1 of 2) |"), "the critic's held-out AUC where a seed has one, and how many have"
+    assert line.endswith("| 25.0 ± 35.4 | 0.62 / n/a |"), "each seed's held-out AUC, n/a where it has none"
     seeds[0]["critic_auc"] = None  # diagnosed, but no held-out episode won
-    assert markdown([{"row": "Multi²", "seeds": seeds}], "test").splitlines()[2].endswith("| n/a |")
+    assert markdown([{"row": "Multi²", "seeds": seeds}], "test").splitlines()[2].endswith("| n/a / n/a |")
 
 
 def test_the_ablation_spec_trains_each_role_choice_and_the_kl_anchor_on_the_miniatures_settings():

@@ -164,6 +164,21 @@ class EnvConfig(Section):
         return v
 
 
+class CorruptConfig(Section):
+    """`experts.corrupt`: failed episodes of mixed quality beside the demonstrations, the data of the positive control
+    (an offline RL step must learn to imitate the good part of a data set whose whole is worse to imitate)."""
+
+    episodes: int = Field(0, ge=0)
+    """Episodes played, on the first tasks of the experts' draw (0: none). Only those lost are kept (source
+    `corrupted`, won = false); the metrics count both."""
+    share: float = Field(0.5, gt=0, le=1)
+    """The chance that each step's action is a valid action drawn at random instead of the expert's."""
+    expert: str = ""
+    """Which expert plays them (default: the first of `demos`)."""
+    max_steps: int = Field(0, ge=0)
+    """Their step cap (0: `env.max_steps`, the policy's, so that they fail as the policy's episodes do)."""
+
+
 class ExpertsConfig(Section):
     split: str = "train"
     """Split the expert demonstrations come from."""
@@ -178,8 +193,8 @@ class ExpertsConfig(Section):
     workers: int = Field(2, gt=0)
     """Environment worker processes."""
     seed: int = 0
-    """Seed of the task subset draw."""
-
+    """Seed of the task subset draw (and of the corrupted episodes' draws)."""
+    corrupt: CorruptConfig = CorruptConfig()
 
     @field_validator("demos")
     @classmethod
@@ -187,6 +202,16 @@ class ExpertsConfig(Section):
         if any(n <= 0 for n in v.values()):
             raise ValueError("expected a count > 0 for each expert")
         return v
+
+    @model_validator(mode="after")
+    def _corrupt_within_the_draw(self) -> "ExpertsConfig":
+        c = self.corrupt
+        if c.episodes > max(self.demos.values()):
+            raise ValueError(f"corrupt.episodes: {c.episodes} is more than the {max(self.demos.values())} tasks the experts draw "
+                             "(the corrupted episodes replay the first tasks of that draw)")
+        if c.expert and c.expert not in self.demos:
+            raise ValueError(f"corrupt.expert: {c.expert!r} is not one of the experts in demos {list(self.demos)}")
+        return self
 
 
 class EmbeddedModelConfig(Section):

@@ -62,13 +62,14 @@ def diagnosis(k: int) -> list[str]:
     if "critic_auc" not in d:  # one critic per level (the hierarchies)
         levels = [key.removesuffix("_critic_auc") for key in d if key.endswith("_critic_auc")]
         scored = [f"diagnose@{k}: critic AUC won vs lost on held-out episodes, " + "; ".join(
-            f"{lv} {_num(d[f'{lv}_critic_auc'])} [{_num(d[f'{lv}_critic_auc_low'])}, {_num(d[f'{lv}_critic_auc_high'])}] "
+            f"{lv} {_num(d[f'{lv}_critic_auc'])} (p {_num(d.get(f'{lv}_critic_auc_p'), '.2g')}) "
             f"({d[f'{lv}_heldout_won']} won of {d[f'{lv}_heldout_episodes']}; by step {_num(d[f'{lv}_critic_auc_steps'])})" for lv in levels)]
         moved = [f"{key.removesuffix('_kl_previous_new')} {d[key]:.1e}" for key in d if key.endswith("_kl_previous_new")]
         kl = [f"  KL(previous ‖ new) per output token: {', '.join(moved)}"] if moved else []
         return [*(scored if levels else [f"diagnose@{k}:"]), *kl, *(f"  WARNING: {w}" for w in d["warnings"])]
-    held = (f"{_num(d['critic_auc'])} [{_num(d['critic_auc_low'])}, {_num(d['critic_auc_high'])}] on {d['heldout_episodes']} held-out "
-            f"episodes ({d['heldout_won']} won; by step {_num(d['critic_auc_steps'])})")
+    held = (f"{_num(d['critic_auc'])} (p {_num(d.get('critic_auc_p'), '.2g')}) on {d['heldout_episodes']} held-out episodes "
+            f"({d['heldout_won']} won; by step {_num(d['critic_auc_steps'])}, V(s0) {_num(d.get('critic_auc_s0'))}, "
+            f"steps 1-3 matched {_num(d.get('critic_auc_matched'))})")
     line = (f"diagnose@{k}: critic AUC won vs lost {held}, {_num(critic.get('auc_train'))} on its training data; advantages raw std "
             f"{_num(adv.get('raw_std'), '.3f')}, {_num(adv.get('moving_share'), '.0%')} of steps moving, AUC {_num(adv.get('auc_won_lost'))}; "
             f"update weight off 1 on {_num(policy.get('weight_off_one_share'), '.0%')} of tokens; KL(previous ‖ new) "

@@ -23,7 +23,7 @@ from qevolve.training import checkpoint_path, full_state, input_digest, is_shard
 
 def one_shot_text(trajs: list[Trajectory]) -> str:
     """A demonstration rendered as plain text, for the optional one-shot prompt."""
-    t = min(trajs, key=lambda t: (len(t.steps), t.task_id))
+    t = min(trajs, key=lambda t: (not t.won, len(t.steps), t.task_id))  # a won one (the store may hold corrupted, lost ones)
     lines = [f"Your task is to: {t.instruction}", t.steps[0].observation]
     for s in t.steps:
         lines += [s.output, s.next_observation]

@@ -27,7 +27,7 @@ def _iteration(params, recipe: Recipe) -> tuple[Stage, ...]:
               lambda k: {"out": paths.critic(k)}, (*MODEL_PARAMS, *BUILDER_PARAMS, "critic"), curve=("step", "loss"), trainer=True,
               logged=TRAINED_CRITIC),
         Stage("advantage", f"{HERE}.advantage", lambda k: {"base_dir": paths.BASE, "critic_dir": paths.critic(k), "data_dir": paths.hybrid(k)},
-              lambda k: {"out": paths.advantages(k)}, (*MODEL_PARAMS, *BUILDER_PARAMS, "critic.micro_batch_size", "advantage"),
+              lambda k: {"out": paths.advantages(k)}, (*MODEL_PARAMS, *BUILDER_PARAMS, "critic.micro_batch_size", "advantage", "policy.algo"),
               curve=("advantage", "count"), logged=Logged(histogram=True)),
         Stage("policy", f"{HERE}.policy",
               lambda k: {"base_dir": paths.BASE, "previous_dir": paths.policy(k - 1), "bc_dir": paths.BC, "data_dir": paths.hybrid(k),

@@ -2,6 +2,8 @@
 
 Default: GAE over the critic's V with the environment reward only (`advantage.use_aux: false`; the paper
 found that adding the auxiliary rewards here hurts). `advantage.estimator: q_minus_v` uses Q(s,a) - V(s).
+`advantage.constant` writes the control's advantages instead (weight 1 on every step); the critic's figures are
+still computed and reported.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from qevolve.data.store import read_store
 from qevolve.models.critic import critic_items, critic_values, load_critic
 from qevolve.models.device import placement
 from qevolve.models.prompt import make_builder
+
+
+CONSTANT = {"bppo": 1.0, "awr": 0.0}
+"""`advantage.constant`: the advantage at which each update's weight on a step is 1 (`qevolve.algos.rl.update_weights`)."""
 
 
 def histogram(values: list[float], bins: int = 20) -> list[dict]:
@@ -62,6 +68,8 @@ def advantage(params: Params, base_dir: Path, critic_dir: Path, data_dir: Path, 
     mean, std = float(raw.mean()), float(raw.std()) if len(rows) > 1 else 1.0
     for r in rows:
         r["advantage"] = (r["raw_advantage"] - mean) / (std + 1e-8) if cfg.normalize else r["raw_advantage"]
+        if cfg.constant:
+            r["advantage"] = CONSTANT[params.policy.algo]
     with atomic_dir(out) as tmp:
         pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp / ADVANTAGES_FILE)
     by_source: dict[str, list[float]] = {}
@@ -78,6 +86,7 @@ def advantage(params: Params, base_dir: Path, critic_dir: Path, data_dir: Path, 
         "positive_share": float((raw > 0).float().mean()),
         "moving_share": float((raw.abs() >= MOVING).float().mean()),
         "auc_won_lost": ranked["auc"],
+        "constant": cfg.constant,
         **{f"raw_mean_{k}": sum(v) / len(v) for k, v in by_source.items()},
         **placement(model),
     }

@@ -20,7 +20,11 @@ class RelabelConfig(Section):
     unchanged_penalty: float = Field(0.05, ge=0)
     """The observation did not change (repetition)."""
     max_expert: int = Field(0, ge=0)
-    """Expert trajectories in the hybrid dataset, drawn at random (0 = all)."""
+    """Expert trajectories in the hybrid dataset, drawn at random (0 = all; the experts' store holds the corrupted
+    episodes of `experts.corrupt` too)."""
+    collected: bool = True
+    """Add `collect@k`'s episodes. False: the hybrid dataset is the experts' store alone, the positive control's
+    offline update on a fixed data set of mixed quality (benchmarks/positive-control.yaml)."""
     seed: int = 0
 
 
@@ -46,6 +50,10 @@ class AdvantageConfig(Section):
     """Add the auxiliary rewards to the GAE rewards (the paper found this hurts)."""
     normalize: bool = True
     """Scale advantages to zero mean and unit variance over the dataset."""
+    constant: bool = False
+    """The control row of a learning claim: every step's advantage is the one at which `policy@k`'s weight on its
+    log-likelihood is 1 (BPPO: A = 1, AWR: A = 0), so the update runs the same optimiser on the same data and
+    windows with no credit assignment: what more training alone does. The critic is still trained (and diagnosed)."""
 
 
 class RerankConfig(Section):

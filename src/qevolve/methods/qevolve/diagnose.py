@@ -3,12 +3,13 @@
 On the episodes the previous policy played in `evaluate@{k-1}` (evaluation tasks, which no critic or policy
 update trains on):
 - the critic's contrast: the AUC of its values for won against lost episodes (an episode's mean V over its
-  states, with Hanley and McNeil's 95 % interval) and steps (V at each state, labelled with its episode's
-  outcome; steps of one episode are not independent, so no interval);
+  states, with the exact Mann-Whitney p) and steps (V at each state, labelled with its episode's outcome; steps of
+  one episode are not independent, so no p); and, since lost episodes run longer and hold more penalised states,
+  what it knows beyond that (`credit_aucs`): V(s0), and V at steps 1-3 among the episodes still running;
 - how far the update moved the policy: KL(previous ‖ new) per action token, exact over the vocabulary,
   teacher-forced on those episodes' states and actions.
-It warns when the critic carries no contrast (the episode AUC's interval holds 0.5, or no held-out episode
-was won, or none lost) or ranks lost above won (the interval below 0.5), or the update is a no-op (KL under
+It warns when the critic's contrast cannot be measured (no held-out episode was won, or none lost, or fewer than 5
+of either), when it carries none (p >= 0.05) or ranks lost above won, or the update is a no-op (KL under
 `NO_OP_KL`): `qevolve.stages.diagnosis`. The advantages' spread (`advantage@k`:
 `raw_std`, `moving_share`, `auc_won_lost`) and the update's weights (`policy@k`: `weight_off_one_share`) are
 their own stages' metrics; the summary table prints them on one line with these.
@@ -28,7 +29,7 @@ from qevolve.models.critic import critic_items, critic_values, load_critic
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import make_builder
 from qevolve.policy_update import policy_kl
-from qevolve.stages.diagnosis import NO_OP_KL, contrast_warning, no_op_warning, useless
+from qevolve.stages.diagnosis import NO_OP_KL, contrast_warning, credit_aucs, no_op_warning, useless
 
 
 def diagnose(params: Params, base_dir: Path, previous_dir: Path, policy_dir: Path, critic_dir: Path, heldout_dir: Path,
@@ -41,8 +42,8 @@ def diagnose(params: Params, base_dir: Path, previous_dir: Path, policy_dir: Pat
     del critic
     episodes: dict[bool, list[float]] = {True: [], False: []}
     steps: dict[bool, list[float]] = {True: [], False: []}
-    for i, t in enumerate(trajs):
-        vs = [values[i][s][0] for s in range(len(t.steps))]
+    per_state = [[values[i][s][0] for s in range(len(t.steps))] for i, t in enumerate(trajs)]
+    for t, vs in zip(trajs, per_state):
         episodes[t.won].append(sum(vs) / len(vs))
         steps[t.won] += vs
     by_episode, by_step = auc(episodes[True], episodes[False]), auc(steps[True], steps[False])
@@ -55,8 +56,8 @@ def diagnose(params: Params, base_dir: Path, previous_dir: Path, policy_dir: Pat
 
     metrics = {
         "heldout_episodes": len(trajs), "heldout_won": len(episodes[True]),
-        "critic_auc": by_episode["auc"], "critic_auc_low": by_episode["low"], "critic_auc_high": by_episode["high"],
-        "critic_auc_steps": by_step["auc"],
+        "critic_auc": by_episode["auc"], "critic_auc_p": by_episode["p"], "critic_auc_steps": by_step["auc"],
+        **{f"critic_{key}": value for key, value in credit_aucs(per_state, [t.won for t in trajs]).items()},
         "kl_previous_new": kl, "kl_tokens": tokens,
         "no_contrast": useless(by_episode), "no_op": int(kl < NO_OP_KL),
         "warnings": [w for w in (contrast_warning(by_episode, len(trajs)), no_op_warning(kl)) if w],

@@ -21,7 +21,7 @@ def relabel(params: Params, experts_dir: Path, collected_dir: Path, out: Path, m
     check_tasks(make_env(params.env), experts, str(experts_dir))
     if cfg.max_expert and len(experts) > cfg.max_expert:
         experts = random.Random(cfg.seed).sample(experts, cfg.max_expert)
-    own = read_store(collected_dir)
+    own = read_store(collected_dir) if cfg.collected else []
     reasons: Counter[str] = Counter()
     hybrid: list[Trajectory] = []
     for t in experts + own:

@@ -28,6 +28,10 @@ class StepPolicyConfig(TrainConfig):
     """Advantage temperature: weights exp(A / beta) (the paper's best, 0.95)."""
     max_weight: float = Field(20.0, gt=0)
     """Weights are clipped at this value."""
+    constant_advantage: bool = False
+    """The control row of a learning claim: every output's advantage is the one at which its weight is 1 (AWR:
+    A = 0; `repo_compat`'s A·log π: A = 1), so the update runs the same optimiser on the same data with no credit
+    assignment: what more training alone does."""
 
 
 class StepHRLConfig(HierarchyConfig):

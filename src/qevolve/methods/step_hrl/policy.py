@@ -2,7 +2,8 @@
 mixed as for `critic@k`) is weighted by min(exp(A / beta), max_weight), A from `critic@k`, and the loss is
 the mean over outputs of -weight * (the output's length-normalised log-likelihood): the paper's AWR. With
 `step_hrl.repo_compat` the loss is -mean(A * log-likelihood), the public code's effective update. With
-separate adapters (`step_hrl.adapters`), each role's outputs train its own."""
+separate adapters (`step_hrl.adapters`), each role's outputs train its own. `step_hrl.policy.constant_advantage`
+is the control: every weight 1."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
     items = []
     for role in ROLES:
         for r in sets[role]:
-            items.append((role, *encode(builder, r["state_text"], r["output_text"]), advantage_of(advantages, advantage_dir, role, r)))
+            a = advantage_of(advantages, advantage_dir, role, r)
+            items.append((role, *encode(builder, r["state_text"], r["output_text"]), (1.0 if hrl.repo_compat else 0.0) if cfg.constant_advantage else a))
     weights = torch.exp(torch.tensor([a for *_, a in items]) / cfg.beta).clamp(max=cfg.max_weight)
     start = time.perf_counter()
     curve = train(model, items, cfg, lambda it: len(it[1]),
@@ -69,6 +71,7 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
         "weight_clipped": float((weights >= cfg.max_weight).float().mean()),
         "weight_off_one_share": off_one_share(weights, torch.tensor([r["output_tokens"] for role in ROLES for r in sets[role]])),
         "repo_compat": hrl.repo_compat,
+        "constant_advantage": cfg.constant_advantage,
     }
     return save_and_report(lambda: save_roles_policy(model, out, previous_dir), metrics, model, curve, elapsed, params.train, out,
                            metrics_path, curve_path)

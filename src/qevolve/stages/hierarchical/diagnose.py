@@ -1,10 +1,11 @@
 """`diagnose@k` (hierarchical methods): does each level's critic of iteration k rank won above lost on
 episodes it never trained on? The held-out data are the transitions of the episodes the previous policy played
 greedily in `evaluate@{k-1}` (evaluation tasks); per level with a critic (the heads `critic@k` wrote), the AUC
-of an episode's mean V(s) over its transitions at that level for won against lost episodes, with Hanley and
-McNeil's 95 % interval, and of each transition's V (`_steps`, no interval: transitions of one episode are not
+of an episode's mean V(s) over its transitions at that level for won against lost episodes, with the exact
+Mann-Whitney p, and of each transition's V (`_steps`, no interval: transitions of one episode are not
 independent). V is read at the state prompt's end, the paper's reading; a `repo_compat` critic (heads on a
-policy's frozen features) is not scored. A level whose interval holds 0.5, or lies below it, is warned of.
+policy's frozen features) is not scored. A level without a contrast (fewer than 5 won or lost, p >= 0.05, or
+ranking lost above won) is warned of.
 And per role, how far iteration k's update moved the policy: KL(previous ‖ new) per output token, exact over
 the vocabulary, teacher-forced on the same held-out calls (`qevolve.policy_update.policy_kl`); an update that
 moved no role by `NO_OP_KL` is warned of.
@@ -66,7 +67,7 @@ def diagnose(params: Params, base_dir: Path, previous_dir: Path, policy_dir: Pat
         by_step = auc([v[(r["trajectory_id"], level, r["step"])] for r in rows if r["won"]],
                       [v[(r["trajectory_id"], level, r["step"])] for r in rows if not r["won"]])
         metrics |= {f"{level}_heldout_episodes": len(means), f"{level}_heldout_won": sum(won.values()),
-                    f"{level}_critic_auc": ranked["auc"], f"{level}_critic_auc_low": ranked["low"], f"{level}_critic_auc_high": ranked["high"],
+                    f"{level}_critic_auc": ranked["auc"], f"{level}_critic_auc_p": ranked["p"],
                     f"{level}_critic_auc_steps": by_step["auc"], f"{level}_no_contrast": useless(ranked)}
         warning = contrast_warning(ranked, len(means), f"the {level} level's critic")
         metrics["warnings"] += [warning] if warning else []

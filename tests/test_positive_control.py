@@ -1,0 +1,60 @@
+"""The positive control's pieces (benchmarks/positive-control.yaml): corrupted expert episodes beside the
+demonstrations, an update on the experts' store alone, and the constant-advantage control row."""
+
+import pytest
+import torch
+
+from qevolve import paths
+from qevolve.config import ConfigError, parse_params
+from qevolve.data.advantages import read_advantages
+from qevolve.data.store import read_store
+from qevolve.stages import pipeline, run_stage
+from test_env_pipelines import _tiny
+
+
+def _control_params(tmp_path, constant: bool):
+    raw = _tiny("textcraft", tmp_path)
+    raw["env"]["max_steps"] = 6
+    raw["experts"]["corrupt"] = {"episodes": 6, "share": 0.7}
+    raw["relabel"] = {**raw.get("relabel", {}), "collected": False, "max_expert": 0}
+    raw["advantage"] = {**raw.get("advantage", {}), "constant": constant}
+    return parse_params(raw)
+
+
+@pytest.mark.parametrize("constant", [False, True])
+def test_an_update_on_demonstrations_and_corrupted_failures(tmp_path, monkeypatch, constant):
+    params = _control_params(tmp_path, constant)
+    monkeypatch.chdir(tmp_path)
+    metrics = {}
+    for stage, k in pipeline(params, 1):
+        if stage in ("evaluate", "diagnose"):
+            continue
+        metrics[stage if k is None else f"{stage}@{k}"] = run_stage(stage, params, k)
+    store = read_store(paths.EXPERTS)
+    demos = [t for t in store if t.source == "expert"]
+    corrupted = [t for t in store if t.source == "corrupted"]
+    assert len(demos) == metrics["experts"]["won"] == 6 and all(t.won for t in demos)
+    assert metrics["experts"]["corrupted_episodes"] == 6 and len(corrupted) == metrics["experts"]["corrupted_kept"] >= 1
+    assert not any(t.won for t in corrupted) and all(len(t.steps) <= 6 for t in corrupted)
+    by_task = {t.task_id: [s.action for s in t.steps] for t in demos}
+    assert any([s.action for s in t.steps] != by_task[t.task_id][: len(t.steps)] for t in corrupted), "random actions replaced some"
+    # the update's data set is the experts' store alone: no collected episode
+    assert {t.source for t in read_store(paths.hybrid(1))} == {"expert", "corrupted"}
+    advantages = read_advantages(paths.advantages(1))
+    values = torch.tensor(list(advantages.values()))
+    assert metrics["advantage@1"]["constant"] is constant
+    if constant:  # BPPO's weight is A: 1 on every step, the update is clipped behaviour cloning on the same windows
+        assert torch.all(values == 1.0)
+        assert metrics["policy@1"]["weight_off_one_share"] == 0.0 and metrics["policy@1"]["weight_mean"] == pytest.approx(1.0)
+    else:  # normalised GAE advantages: the weights differ from 1 on most tokens
+        assert values.std() > 0.5 and metrics["policy@1"]["weight_off_one_share"] > 0.5
+
+
+def test_corrupted_episodes_need_a_listing_environment_and_stay_within_the_draw(tmp_path):
+    raw = _tiny("textcraft", tmp_path)
+    raw["experts"]["corrupt"] = {"episodes": 7}
+    with pytest.raises(ConfigError, match=r"experts.corrupt.episodes: 7 is more than the 6 tasks the experts draw|corrupt.episodes: 7"):
+        parse_params(raw)
+    raw["experts"]["corrupt"] = {"episodes": 2, "expert": "nobody"}
+    with pytest.raises(ConfigError, match="corrupt.expert: 'nobody' is not one of the experts"):
+        parse_params(raw)
