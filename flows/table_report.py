@@ -53,6 +53,16 @@ def critic_auc(root: Path, stage: str) -> dict:
     return {"critic_auc": d.get("critic_auc", d.get("low_critic_auc"))}
 
 
+def update_weights(root: Path, stage: str) -> dict:
+    """{"weight_off_one": the share of action tokens whose weight in the update behind a row was more than 0.1
+    from behaviour cloning's 1} (`policy@k`'s `weight_off_one_share`), or {} where the row's iteration had no
+    such update."""
+    k = int(stage.partition("@")[2])
+    path = root / "metrics" / f"policy@{k}.json"
+    share = json.loads(path.read_text()).get("weight_off_one_share") if k and path.is_file() else None
+    return {} if share is None else {"weight_off_one": share}
+
+
 def gather(spec: Spec, out: Path) -> list[dict]:
     """Per row: per seed, the row stage's metrics per split, its outcome on each task, and the env steps and
     tokens behind it."""
@@ -70,6 +80,7 @@ def gather(spec: Spec, out: Path) -> list[dict]:
                 "seed": seed, "workspace": str(root.relative_to(out)),
                 **{f"{split}/{key}": m[split][key] for split in spec.splits() if split in m for key in ("success_rate", "avg_reward", "episodes")},
                 **{f"{split}/env_failures": m[split].get("env_failures", 0) for split in spec.splits() if split in m},
+                **{f"{split}/invalid_rate": m[split]["invalid_rate"] for split in spec.splits() if "invalid_rate" in m.get(split, {})},
                 **{f"{split}/tasks": tasks.get(split, {}) for split in spec.splits() if split in m},
                 **{f"{split}/tokens_per_episode": m[split]["prompt_tokens_per_episode"] + m[split]["output_tokens_per_episode"]
                    for split in spec.splits() if split in m},
@@ -79,6 +90,7 @@ def gather(spec: Spec, out: Path) -> list[dict]:
                 "own_env_steps": first["cumulative_env_steps"] - experts,
                 "generated_tokens": first.get("cumulative_generated_tokens", 0),
                 **critic_auc(root, row.stage),
+                **update_weights(root, row.stage),
             })
         results.append({"row": row.name, "workspace": row.workspace, "stage": row.stage, "against": spec.against(row), "seeds": seeds})
     return results
@@ -156,10 +168,13 @@ LEGEND = ("success %: pooled over seeds, with its 95 % Wilson interval at the sa
           "tasks), and won/episodes. Δ: the row's success minus the row named, on the tasks and seeds both played, with a 95 % "
           "paired bootstrap interval (tasks and seeds drawn independently: a seed is one trained model that plays every "
           "task) and on how many seeds the row's own difference is above 0; an interval holding 0 does not tell the rows "
-          "apart; \"no discordant pair\": the rows agree on every task, and |Δ| is at most the exact 95 % bound given. env "
+          "apart; \"no discordant pair\": the rows agree on every task, and Δ lies within the exact 95 % bound given. env "
           "fail: episodes the environment failed, left out of the rates. critic AUC: how well the critic of the row's "
           "iteration ranks won above lost episodes it never trained on (`diagnose@k`, on the previous policy's evaluation "
-          "episodes; a hierarchy's low level), per seed; 0.5 is chance; n/a: no held-out episode was won, or none lost.\n")
+          "episodes; a hierarchy's low level), per seed; 0.5 is chance; n/a: no held-out episode was won, or none lost. "
+          "invalid %: actions the environment rejected or that did not parse, in the first split's episodes. weight ≠ 1: the "
+          "share of action tokens whose weight in the row's update was more than 0.1 from behaviour cloning's 1 (near 0, "
+          "the update is more behaviour cloning).\n")
 
 
 def auc_cell(seeds: list[dict]) -> str:
@@ -200,13 +215,16 @@ def markdown(results: list[dict], by_type: str | None = None, pair: tuple[str, .
         return by_type_markdown(results, by_type)
     label = {"valid_seen": "seen", "valid_unseen": "unseen"}
     head = (f"| # | row | seeds | {' | '.join(f'{label.get(s, s)} success % | Δ {label.get(s, s)} | {label.get(s, s)} reward' for s in pair)} | "
-            f"env fail | own env steps | generated tokens | tokens per {label.get(pair[0], pair[0])} episode | critic AUC |")
-    lines = [head, "|---:|---|---:|" + "---:|---:|---:|" * len(pair) + "---:|---:|---:|---:|---:|"]
+            f"env fail | own env steps | generated tokens | tokens per {label.get(pair[0], pair[0])} episode | critic AUC | "
+            f"invalid % | weight ≠ 1 % |")
+    lines = [head, "|---:|---|---:|" + "---:|---:|---:|" * len(pair) + "---:|---:|---:|---:|---:|---:|---:|"]
     for i, r in enumerate(results, 1):
         col = lambda key: [s[key] for s in r["seeds"] if key in s]  # noqa: E731
         cells = " | ".join(f"{rate_cell(r['seeds'], s)} | {difference_cell(results, r, s)} | {fmt(col(f'{s}/avg_reward'))}" for s in pair)
         lines.append(f"| {i} | {r['row']} | {len(r['seeds'])} | {cells} | {env_failures(r['seeds'], pair)} | {fmt(col('own_env_steps'), digits=0)} | "
-                     f"{fmt(col('generated_tokens'), digits=0)} | {fmt(col(f'{pair[0]}/tokens_per_episode'), digits=0)} | {auc_cell(r['seeds'])} |")
+                     f"{fmt(col('generated_tokens'), digits=0)} | {fmt(col(f'{pair[0]}/tokens_per_episode'), digits=0)} | {auc_cell(r['seeds'])} | "
+                     f"{fmt(col(f'{pair[0]}/invalid_rate'), True) if col(f'{pair[0]}/invalid_rate') else ''} | "
+                     f"{fmt(col('weight_off_one'), True) if col('weight_off_one') else ''} |")
     return "\n".join(lines) + "\n\n" + LEGEND
 
 

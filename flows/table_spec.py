@@ -56,7 +56,7 @@ class Spec(BaseModel):
     seeds: list[int] = Field(min_length=1)
     workspaces: dict[str, Workspace]
     rows: list[Row] = Field(min_length=1)
-    pair: list[str] = Field(default_factory=lambda: list(SPLITS), min_length=1, max_length=2)
+    pair: list[str] = Field(default_factory=lambda: list(SPLITS), min_length=1, max_length=3)
     """The splits the table reports side by side: ALFWorld's seen and unseen games by default, TerminalTraj's
     `test` and `test_ood`."""
     by_type: str | None = None

@@ -22,6 +22,29 @@ def test_task_type_filter_and_seeded_subset(alfworld_data):
     assert len(select_tasks(env, "valid_seen", cfg, 0, seed=1)) == 13
 
 
+def test_train_tasks_set_aside_are_an_evaluation_split_no_draw_of_the_train_split_reaches(alfworld_data):
+    import hashlib
+
+    from qevolve.envs import heldout_tasks
+
+    env = AlfworldEnv(alfworld_data)
+    cfg = EnvConfig(task_types=["look_at_obj_in_light"], heldout=100)
+    train = [t for t in env.tasks("train") if t.type == "look_at_obj_in_light"]
+    aside = select_tasks(env, "heldout", cfg, 0, seed=0)
+    # the first 100 of the 308 by their ids' SHA-1, whatever the seed; labelled `heldout`, read from the train games
+    first = sorted(train, key=lambda t: hashlib.sha1(t.id.encode()).hexdigest())[:100]
+    assert {t.id for t in aside} == {t.id for t in first} and heldout_tasks(env, cfg) == aside
+    assert all((t.split, t.home) == ("heldout", "train") for t in aside)
+    left = select_tasks(env, "train", cfg, 0, seed=0)
+    assert len(left) == 208 and not {t.id for t in left} & {t.id for t in aside}
+    assert all(not {t.id for t in select_tasks(env, "train", cfg, 150, seed=s)} & {t.id for t in aside} for s in range(5))
+    assert len(select_tasks(env, "train", EnvConfig(task_types=["look_at_obj_in_light"]), 0, seed=0)) == 308, "off by default"
+    first_obs = env.reset(aside[0])  # its game is read from the train split's folder
+    assert first_obs.instruction and first_obs.admissible
+    with pytest.raises(ValueError, match="env.heldout: 308 is not fewer than the 308 train tasks"):
+        select_tasks(env, "heldout", EnvConfig(task_types=["look_at_obj_in_light"], heldout=308), 0, seed=0)
+
+
 def test_split_observation():
     fb = "-= Welcome to TextWorld, ALFRED! =-\n\nYou are in a room.\n\nYour task is to: put a book in sofa."
     assert split_observation(fb) == ("put a book in sofa.", "You are in a room.")

@@ -108,3 +108,32 @@ def test_multi_process_trainers_copied_and_sharded_run_from_dvc_repro_and_from_t
     single = load_file(str(ws / "models" / "policy@1" / "adapter_model.safetensors"))
     assert single.keys() == sharded.keys()
     assert max(float((single[k] - sharded[k]).abs().max()) for k in single) < 1e-5
+
+
+@pytest.mark.slow
+def test_the_gpu_study_profile_runs_at_a_tiny_size_on_the_cpu(tmp_path, monkeypatch, alfworld_data):
+    """profiles/study-gpu.yaml (issue 57's study, sized for one GPU) with only its sizes cut: SmolLM2 in free mode on
+    all six task types, both iterations, every stage, on the CPU."""
+    from qevolve.config import parse_params
+    from qevolve.stages import pipeline, run_stage
+
+    raw = yaml.safe_load((REPO / "profiles" / "study-gpu.yaml").read_text())
+    assert raw["model"]["base"] == "smollm2" and raw["policy"]["action_mode"] == "free" and not raw["env"]["task_types"]
+    assert raw["collect"]["num_tasks"] * raw["collect"]["samples_per_task"] >= 2000 and raw["evolve"]["iterations"] == 2
+    raw["env"].update(max_steps=3, processes=False)
+    raw["experts"].update(demos={"walkthrough": 3, "handcoded": 1}, workers=1)
+    raw["model"].update(context_tokens=384, device="cpu")
+    raw["policy"].update(compile=False, max_new_tokens=12, batch_size=4, micro_batch_size=4)
+    raw["bc"].update(batch_size=4, micro_batch_size=4, epochs=1)
+    raw["critic"].update(batch_size=4, micro_batch_size=4)
+    raw["collect"].update(num_tasks=2, samples_per_task=2, batch_size=4)
+    raw["relabel"].update(max_expert=2)
+    raw["evaluate"].update(splits={"valid_seen": 2, "valid_unseen": 1}, batch_size=3)
+    params = parse_params(raw, "study-gpu (tiny)")
+    monkeypatch.setenv("QEVOLVE_MODEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    metrics = {f"{s}@{k}" if k is not None else s: run_stage(s, params, k) for s, k in pipeline(params, 2)}
+    assert list(metrics)[-1] == "evaluate@2" and "diagnose@2" in metrics and metrics["experts"]["won"] >= 3
+    assert metrics["bc"]["loss"] < metrics["bc"]["first_loss"] and metrics["bc"]["device"] == "cpu"
+    assert metrics["experts"]["episodes"] == 4 and set(metrics["evaluate@2"]) == {"valid_seen", "valid_unseen"}
+    assert all(m["episodes"] >= 1 for m in metrics["evaluate@2"].values())

@@ -70,7 +70,7 @@ def test_no_discordant_pair_is_no_information_with_an_exact_bound():
     got = paired_bootstrap(a, a)
     assert (got["difference"], got["discordant"], got["tasks"]) == (0.0, 0, 112)
     assert got["bound"] == pytest.approx(0.032399, abs=1e-6) == no_difference_bound(112)
-    assert difference_text(got) == "no discordant pair (|Δ| ≤ 3.2 on 112 tasks)"
+    assert difference_text(got) == "no discordant pair (Δ within ±3.2 on 112 tasks)"
 
 
 def test_the_crossed_interval_covers_with_a_seed_effect_shared_across_tasks():

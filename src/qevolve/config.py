@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Iterator, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator, model_validator
 
-from qevolve.environments import ENVIRONMENTS
+from qevolve.environments import ENVIRONMENTS, HELDOUT
 from qevolve.errors import UserError
 
 
@@ -147,6 +147,10 @@ class EnvConfig(Section):
     retries: int = Field(2, ge=0)
     """Times an episode whose environment failed is restarted from its first step on a fresh environment
     before it is recorded as failed (`failure = env_error: ...`)."""
+    heldout: int = Field(0, ge=0)
+    """Train tasks (of `task_types`) set aside as an evaluation split of their own, `heldout` (name it in
+    `evaluate.splits`): the first n in the SHA-1 order of their ids, the same whatever the seeds; no demonstration,
+    collection or online round draws them (the train split leaves them out). 0: none."""
     data_dir: str = ""
     """Where the environment's data lives, if it needs any (WebShop: the folder with the catalogue and
     goal files; empty = `$WEBSHOP_DATA`; terminal: the folder of `<split>/<task id>/` task folders).
@@ -463,8 +467,9 @@ class CommonParams(Section):
 
 
 def check_splits(params, key: str, names: list[str]) -> None:
-    """Raise unless the environment of `params` has every split in `names` (the value of `key`)."""
-    splits = ENVIRONMENTS[params.env.name].splits
+    """Raise unless the environment of `params` has every split in `names` (the value of `key`); `heldout` is one
+    where `env.heldout` sets train tasks aside."""
+    splits = ENVIRONMENTS[params.env.name].splits + ((HELDOUT,) if params.env.heldout else ())
     bad = [n for n in names if n not in splits]
     if bad:
         raise ValueError(f"{key}: {params.env.name} has no split(s) {bad}; expected some of {list(splits)}")

@@ -14,6 +14,8 @@ from types import ModuleType
 REPLY = ("At each turn, reply with one action as 'Action: <command>' (you may think first on a line "
          "'Thought: ...'). The environment answers with what you observe.")
 """How every prompt asks for an action (the end of each environment's `intro`)."""
+HELDOUT = "heldout"
+"""The split of train tasks that `env.heldout` sets aside for evaluation (`qevolve.envs.select_tasks`)."""
 
 
 @dataclass(frozen=True)

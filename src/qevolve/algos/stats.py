@@ -159,9 +159,9 @@ def percent_interval(rate: float, low: float, high: float, signed: bool = False)
 
 def difference_text(d: dict) -> str:
     """A `paired_bootstrap` result in words: `+4.3 [-2.1, +10.8], better on 2 of 3 seeds`, or, where no pair
-    differs, `no discordant pair (|Δ| ≤ 3.2 on 112 tasks)`."""
+    differs, `no discordant pair (Δ within ±3.2 on 112 tasks)` (no pipe: it sits in markdown tables)."""
     if d["bound"] is not None:
-        return f"no discordant pair (|Δ| ≤ {100 * d['bound']:.1f} on {d['tasks']} tasks)"
+        return f"no discordant pair (Δ within ±{100 * d['bound']:.1f} on {d['tasks']} tasks)"
     text = percent_interval(d["difference"], d["low"], d["high"], signed=True)
     if d["seeds"] > 1:
         text += f", better on {d['better']} of {d['seeds']} seeds" + (f", worse on {d['worse']}" if d["worse"] else "")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
+from dataclasses import replace
 
 from qevolve.config import EnvConfig
-from qevolve.environments import ENVIRONMENTS, adapter
+from qevolve.environments import ENVIRONMENTS, HELDOUT, adapter
 from qevolve.envs.base import Observation, Step, Task, TextEnv
 from qevolve.errors import UserError
 
@@ -57,9 +59,32 @@ def check_tasks(env: TextEnv, trajectories, source: str) -> None:
             raise ValueError(f"{source}: task_id {t.task_id!r} (split {t.split!r}) is not a task of this environment")
 
 
+def _typed(env: TextEnv, split: str, cfg: EnvConfig) -> list[Task]:
+    return [t for t in env.tasks(split) if not cfg.task_types or t.type in cfg.task_types]
+
+
+def heldout_tasks(env: TextEnv, cfg: EnvConfig) -> list[Task]:
+    """The `env.heldout` train tasks (of `env.task_types`) set aside as the split `heldout`: the first in the order of
+    their ids' SHA-1 (fixed whatever the seeds), relabelled `heldout` and read from the train split's data."""
+    if not cfg.heldout:
+        return []
+    train = sorted(_typed(env, "train", cfg), key=lambda t: hashlib.sha1(t.id.encode()).hexdigest())
+    if cfg.heldout >= len(train):
+        raise ValueError(f"env.heldout: {cfg.heldout} is not fewer than the {len(train)} train tasks of types {cfg.task_types}; "
+                         "some must stay for the demonstrations and collection")
+    return sorted((replace(t, split=HELDOUT, home="train") for t in train[: cfg.heldout]), key=lambda t: t.id)
+
+
 def select_tasks(env: TextEnv, split: str, cfg: EnvConfig, count: int, seed: int) -> list[Task]:
-    """`count` tasks of `split` restricted to `cfg.task_types`, drawn with `seed` (0 = all, in order)."""
-    tasks = [t for t in env.tasks(split) if not cfg.task_types or t.type in cfg.task_types]
+    """`count` tasks of `split` restricted to `cfg.task_types`, drawn with `seed` (0 = all, in order). The train split
+    leaves out the tasks `env.heldout` sets aside, which are the split `heldout`."""
+    if split == HELDOUT:
+        tasks = heldout_tasks(env, cfg)
+    else:
+        tasks = _typed(env, split, cfg)
+        if split == "train" and cfg.heldout:
+            aside = {t.id for t in heldout_tasks(env, cfg)}
+            tasks = [t for t in tasks if t.id not in aside]
     if not tasks:
         raise ValueError(f"no {split} tasks of types {cfg.task_types}")
     if count and count < len(tasks):

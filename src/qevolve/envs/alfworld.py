@@ -281,7 +281,7 @@ class AlfworldEnv:
     def reset(self, task: Task) -> Observation:
         import textworld
 
-        game = self.root / "json_2.1.1" / task.split / task.id / "game.tw-pddl"
+        game = self.root / "json_2.1.1" / (task.home or task.split) / task.id / "game.tw-pddl"
         if not game.exists():
             raise AlfworldDataError(f"{game}: game file missing for task {task.id!r}")
         if self._env is None:

@@ -20,6 +20,9 @@ class Task:
     """Task family, e.g. ALFWorld's `pick_and_place_simple`."""
     max_steps: int = 0
     """The environment's own step limit for this task (ScienceWorld's `max_steps.json`); 0 = none."""
+    home: str = ""
+    """The split whose data holds the task, where it differs from `split` (a train task set aside as the `heldout`
+    split by `env.heldout`); adapters read their files from `task.home or task.split`."""
 
 
 @dataclass

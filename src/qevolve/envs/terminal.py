@@ -181,7 +181,7 @@ class TerminalEnv:
 
     def reset(self, task: Task) -> Observation:
         self.close()
-        self.folder = self.root / task.split / task.id
+        self.folder = self.root / (task.home or task.split) / task.id
         self.meta = read_task(self.folder)
         self.image = self._task_image()
         self.episode_dir = Path(tempfile.mkdtemp(prefix="qevolve-terminal-"))

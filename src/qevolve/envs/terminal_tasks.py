@@ -275,7 +275,7 @@ def gate(env, task) -> str:
     """'' when `task` passes the sanity gate on `env` (a `TerminalEnv`), else the reason it is rejected: the oracle
     passes, a do-nothing agent fails, the oracle passes again. A validator-only task (no oracle) is checked for
     what can be checked without one (`validator_gate`)."""
-    folder = env.root / task.split / task.id
+    folder = env.root / (task.home or task.split) / task.id
     if not has_oracle(folder):
         return validator_gate(env, task)
     oracle = oracle_steps((folder / ORACLE).read_text()) + [SUBMIT]
