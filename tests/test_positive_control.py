@@ -58,3 +58,29 @@ def test_corrupted_episodes_need_a_listing_environment_and_stay_within_the_draw(
     raw["experts"]["corrupt"] = {"episodes": 2, "expert": "nobody"}
     with pytest.raises(ConfigError, match="corrupt.expert: 'nobody' is not one of the experts"):
         parse_params(raw)
+
+
+@pytest.mark.parametrize("constant", [False, True])
+def test_step_hrl_learns_from_the_experts_store_alone_and_its_control_weighs_every_output_one(tmp_path, monkeypatch, constant,
+                                                                                                alfworld_data):
+    # ALFWorld: its rule annotator cuts failed episodes into subtasks too (TextCraft's refuses them, naming the subtask)
+    raw = _tiny("alfworld", tmp_path)
+    raw["env"].update(max_steps=6, processes=False)
+    raw["experts"]["corrupt"] = {"episodes": 6, "share": 0.7}
+    raw["method"] = "step_hrl"
+    raw["step_hrl"] = {"critic": {"epochs": 1, "batch_size": 4}, "policy": {"epochs": 1, "batch_size": 4, "constant_advantage": constant},
+                       "progress_tokens": 8, "collected": False, "reward": "outcome"}
+    params = parse_params(raw)
+    monkeypatch.chdir(tmp_path)
+    metrics = {}
+    for stage, k in pipeline(params, 1):
+        if stage not in ("evaluate", "diagnose"):
+            metrics[stage if k is None else f"{stage}@{k}"] = run_stage(stage, params, k)
+    critic, policy = metrics["critic@1"], metrics["policy@1"]
+    # every transition the critic and the actor read is annotated from the experts' store: demonstrations and corrupted
+    assert critic["low_transitions"] == metrics["annotate"]["low_transitions"] and 0 < critic["low_expert_share"] < 1
+    assert policy["constant_advantage"] is constant
+    if constant:
+        assert policy["weight_off_one_share"] == 0.0 and policy["weight_mean"] == pytest.approx(1.0)
+    else:  # the critic's advantages weigh the outputs (near 1 at this size: STEP-HRL's weak contrast, what the control measures)
+        assert policy["weight_mean"] != 1.0

@@ -68,6 +68,9 @@ class HierarchyConfig(Section):
     collected_per_expert: float = Field(2.0, ge=0)
     """At most this many collected transitions per expert one in the offline-RL data, per level: collected ones
     beyond it are subsampled, experts never (reach the ratio by collecting more). 0 = every transition of both."""
+    collected: bool = True
+    """Train the offline-RL stages on `collect@k`'s transitions too. False: on the annotated experts' store alone
+    (with `experts.corrupt`'s failed episodes, the positive control of the critic and the actor)."""
     critic: LevelCriticConfig = LevelCriticConfig()
 
     @property

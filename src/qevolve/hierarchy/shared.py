@@ -148,10 +148,12 @@ def with_rewards(sets: dict[str, list[dict]], reward: str) -> dict[str, list[dic
 
 def training_sets(params, data_dir: Path, collected_dir: Path) -> dict[str, list[dict]]:
     """Per level, the expert transitions (`annotate`) and the collected ones (`collect@k`), with the rewards of
-    `<method>.reward`, mixed at `<method>.collected_per_expert`, drawn with `<method>.critic.seed`: what `critic@k`
-    and `policy@k` train on."""
+    `<method>.reward`, mixed at `<method>.collected_per_expert`, drawn with `<method>.critic.seed` (no collected ones
+    with `<method>.collected: false`): what `critic@k` and `policy@k` train on."""
     cfg = section(params)
     expert, collected = (with_rewards(read_transitions(d), cfg.reward) for d in (data_dir, Path(collected_dir) / COLLECTED))
+    if not cfg.collected:
+        collected = {role: [] for role in ROLES}
     return {role: mix(expert[role], collected[role], cfg.collected_per_expert, cfg.critic.seed) for role in ROLES}
 
 

@@ -26,7 +26,7 @@ def acting_params(name: str) -> tuple[str, ...]:
 
 def offline_data_params(name: str) -> tuple[str, ...]:
     """What picks the offline-RL data from the expert and collected transitions, and sets its rewards."""
-    return (f"{name}.collected_per_expert", f"{name}.critic.seed", f"{name}.reward")
+    return (f"{name}.collected_per_expert", f"{name}.collected", f"{name}.critic.seed", f"{name}.reward")
 
 
 def reward_params(name: str, compat: tuple[str, ...] = ()) -> tuple[str, ...]:
