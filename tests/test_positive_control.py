@@ -84,3 +84,18 @@ def test_step_hrl_learns_from_the_experts_store_alone_and_its_control_weighs_eve
         assert policy["weight_off_one_share"] == 0.0 and policy["weight_mean"] == pytest.approx(1.0)
     else:  # the critic's advantages weigh the outputs (near 1 at this size: STEP-HRL's weak contrast, what the control measures)
         assert policy["weight_mean"] != 1.0
+
+
+def test_a_corrupted_episode_puts_a_fixed_action_in_the_experts_place_where_it_is_valid():
+    from qevolve.envs.textcraft import TextCraftEnv
+    from qevolve.stages.experts import demonstrate
+
+    env = TextCraftEnv()
+    task = env.tasks("train")[0]
+    clean = demonstrate(env, task, 12)
+    fixed = demonstrate(env, task, 12, seed=0, corrupt=0.5, wrong="inventory")
+    again = demonstrate(env, task, 12, seed=0, corrupt=0.5, wrong="inventory")
+    assert clean.source == "expert" and clean.won and fixed.source == "corrupted"
+    assert [s.action for s in fixed.steps] == [s.action for s in again.steps], "the draws are seeded by the task"
+    replaced = [s.action for s in fixed.steps if s.action not in {c.action for c in clean.steps}]
+    assert replaced and set(replaced) == {"inventory"}, "the expert's plan never checks the inventory; every replacement does"

@@ -177,6 +177,10 @@ class CorruptConfig(Section):
     `corrupted`, won = false); the metrics count both."""
     share: float = Field(0.5, gt=0, le=1)
     """The chance that each step's action is a valid action drawn at random instead of the expert's."""
+    action: str = ""
+    """Put this action in the expert's place instead (where the environment lists it as valid; ALFWorld's `look`):
+    a systematic mistake, which behaviour cloning on the mix learns, where random ones average out under greedy
+    decoding. Empty: a random valid action."""
     expert: str = ""
     """Which expert plays them (default: the first of `demos`)."""
     max_steps: int = Field(0, ge=0)

@@ -24,10 +24,10 @@ CORRUPTED = "corrupted"
 """The source of a corrupted episode (`experts.corrupt`)."""
 
 
-def demonstrate(env, task: Task, max_steps: int, seed: int = 0, corrupt: float = 0.0) -> Trajectory:
+def demonstrate(env, task: Task, max_steps: int, seed: int = 0, corrupt: float = 0.0, wrong: str = "") -> Trajectory:
     """Play the expert on one task; the trajectory records whether it won. With `corrupt` > 0, each step's action is,
-    with that chance, one of the valid actions drawn at random instead (source `corrupted`; the draws are seeded
-    by the task, so the episode does not depend on the worker).
+    with that chance, `wrong` where it is valid, else one of the valid actions drawn at random (source `corrupted`;
+    the draws are seeded by the task, so the episode does not depend on the worker).
 
     ALFWorld's handcoded expert breaks ties with Python's global `random`; it is seeded per task, so a
     demonstration does not depend on which worker played it or what it played before."""
@@ -38,7 +38,7 @@ def demonstrate(env, task: Task, max_steps: int, seed: int = 0, corrupt: float =
     obs, valid = first.text, first.admissible
     for t in range(max_steps):
         if corrupt and draw.random() < corrupt and valid:
-            action = draw.choice(valid)
+            action = wrong if wrong in valid else draw.choice(valid)
         else:
             action = env.expert_action()
         if action is None:
@@ -72,7 +72,7 @@ def _demonstrate_all(params: Params, kind: str, tasks: list[Task], bar, corrupt:
             for attempt in range(cfg.retries + 1):
                 try:
                     max_steps = (params.experts.corrupt.max_steps or params.env.max_steps) if corrupt else params.experts.max_steps
-                    traj = demonstrate(env, task, max_steps, params.experts.seed, corrupt)
+                    traj = demonstrate(env, task, max_steps, params.experts.seed, corrupt, params.experts.corrupt.action)
                     break
                 except Exception as err:  # noqa: BLE001 - a crashed simulator fails this demonstration only
                     env.close()
