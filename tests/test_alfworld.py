@@ -45,6 +45,26 @@ def test_train_tasks_set_aside_are_an_evaluation_split_no_draw_of_the_train_spli
         select_tasks(env, "heldout", EnvConfig(task_types=["look_at_obj_in_light"], heldout=308), 0, seed=0)
 
 
+def test_a_demonstration_does_not_move_when_something_else_draws_from_the_global_random(alfworld_data):
+    import random
+
+    # The handcoded expert breaks a tie at random on this game (a `look` then a random valid action). Another draw from
+    # Python's global `random` between its steps, as a Prefect thread made in a flow that played it in-process, must
+    # not change what it does.
+    env = AlfworldEnv(alfworld_data, expert="handcoded")
+    task = next(t for t in env.tasks("train") if t.id.startswith("pick_and_place_simple-TissueBox-None-Dresser-301/trial_T20190906_221513"))
+    quiet = [s.action for s in demonstrate(env, task, 30, seed=0).steps]
+    step = env.step
+
+    def noisy(action):
+        random.random()
+        return step(action)
+
+    env.step = noisy
+    assert [s.action for s in demonstrate(env, task, 30, seed=0).steps] == quiet
+    assert [s.action for s in demonstrate(env, task, 30, seed=1).steps] != quiet, "the key does seed it"
+
+
 def test_split_observation():
     fb = "-= Welcome to TextWorld, ALFRED! =-\n\nYou are in a room.\n\nYour task is to: put a book in sofa."
     assert split_observation(fb) == ("put a book in sofa.", "You are in a room.")

@@ -15,6 +15,7 @@ import contextlib
 import io
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -313,6 +314,15 @@ class AlfworldEnv:
         self._won = won
         self._t += 1
         return Step(observation=obs, reward=reward, done=bool(done) or won, won=won, valid=obs != REJECTED, admissible=self._admissible())
+
+    def seed_random(self, key: str) -> None:
+        """Seed the handcoded expert's tie-breaks. Its module draws from Python's global `random`, which anything else
+        in the process may draw from between two of its calls (a Prefect thread did, in a flow that plays the experts
+        in-process: one demonstration came out two ways); it gets a generator of its own, seeded by `key`, which
+        draws what `random.seed(key)` would have."""
+        from alfworld.agents.expert import handcoded_expert
+
+        handcoded_expert.random = random.Random(key)
 
     def expert_action(self) -> str | None:
         if self.expert == "walkthrough":

@@ -37,7 +37,7 @@ class _EnvActor:
 
     def call(self, op: str, args: tuple):
         if op == "seed_random":
-            return random.seed(*args)
+            return getattr(self.env, "seed_random", random.seed)(*args)
         return getattr(self.env, op)(*args)
 
     def close(self) -> None:

@@ -40,7 +40,7 @@ def _serve(conn, cfg: EnvConfig, expert: str | None) -> None:
             conn.send((True, None))
             break
         try:
-            reply = (True, random.seed(*args) if op == "seed_random" else getattr(env, op)(*args))
+            reply = (True, getattr(env, "seed_random", random.seed)(*args) if op == "seed_random" else getattr(env, op)(*args))
         except Exception as err:  # noqa: BLE001 - the parent decides what an environment error means
             reply = (False, RuntimeError(f"{type(err).__name__}: {err}"))
         try:
@@ -81,7 +81,7 @@ class RemoteEnv(ABC):
         return self._call("expert_action")
 
     def seed_random(self, key: str) -> None:
-        """Seed the worker's global `random` (ALFWorld's handcoded expert breaks ties with it)."""
+        """Seed the expert's tie-breaks in the worker (its environment's `seed_random`, else the global `random`)."""
         self._call("seed_random", key)
 
 
