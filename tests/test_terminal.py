@@ -346,6 +346,31 @@ def test_an_episode_shows_the_same_whenever_it_runs(tmp_path, sandbox):
     assert not re.search(r"\d\d:\d\d|20\d\d", seen[0][0] + seen[0][1]), "a listing shows no clock"
 
 
+def test_a_local_listing_does_not_show_the_hosts_temporary_folder(tmp_path):
+    """Another process making a folder in the host's temporary folder (as any other work on the machine does) must not
+    change what the agent sees when it lists /app, `..` included: /app sits under a private folder of its own."""
+    import tempfile
+    from pathlib import Path
+
+    from qevolve.envs.terminal_tasks import make, write_task
+
+    write_task(make("archive", 1), tmp_path / "train" / "a")
+    env = TerminalEnv(str(tmp_path), TerminalConfig(sandbox="local"), max_steps=5)
+    try:
+        env.reset(Task("a", "train", "archive"))
+        before = env.step("ls -la | head -3").observation  # total, `.` and `..`
+        other = tempfile.mkdtemp()
+        try:
+            after = env.step("ls -la | head -3").observation
+        finally:
+            os.rmdir(other)
+        assert before == after and env.episode_dir.parent != Path(tempfile.gettempdir())
+        folder = env.episode_dir.parent
+    finally:
+        env.close()
+    assert not folder.exists(), "closing the episode removes its private folder too"
+
+
 def test_the_gate_rejects_a_task_a_do_nothing_agent_passes_and_one_its_oracle_fails(tmp_path):
     from qevolve.envs.terminal_tasks import gate
 

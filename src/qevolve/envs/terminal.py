@@ -184,7 +184,10 @@ class TerminalEnv:
         self.folder = self.root / (task.home or task.split) / task.id
         self.meta = read_task(self.folder)
         self.image = self._task_image()
-        self.episode_dir = Path(tempfile.mkdtemp(prefix="qevolve-terminal-"))
+        # /app is a folder of its own under a private parent: a listing of `..` shows that parent, never the host's
+        # /tmp (whose link count any other process changes)
+        self.episode_dir = Path(tempfile.mkdtemp(prefix="qevolve-terminal-")) / "app"
+        self.episode_dir.mkdir()
         env_dir = self.folder / "environment"
         if self.image:  # what the image holds in its working directory
             shutil.copytree(self._images[self.folder][2].name, self.episode_dir, dirs_exist_ok=True, symlinks=True)
@@ -320,7 +323,7 @@ class TerminalEnv:
             self.session.close()
             self.session = None
         if self.episode_dir is not None:
-            shutil.rmtree(self.episode_dir, ignore_errors=True)
+            shutil.rmtree(self.episode_dir.parent, ignore_errors=True)
             self.episode_dir = None
 
 
