@@ -1,6 +1,6 @@
 """`experts`: demonstrations from the environment's expert on a subset of train tasks, and, for the positive
 control (`experts.corrupt`), the same expert's failed episodes with a share of its actions replaced by random valid
-ones."""
+ones or by one fixed mistake."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def demonstrate(env, task: Task, max_steps: int, seed: int = 0, corrupt: float =
     with that chance, `wrong` where it is valid, else one of the valid actions drawn at random (source `corrupted`;
     the draws are seeded by the task, so the episode does not depend on the worker).
 
-    ALFWorld's handcoded expert breaks ties with Python's global `random`; it is seeded per task, so a
-    demonstration does not depend on which worker played it or what it played before."""
+    ALFWorld's handcoded expert breaks ties at random; its generator is seeded per task (`seed_random`, else the
+    global `random`), so a demonstration does not depend on which worker played it or what it played before."""
     getattr(env, "seed_random", random.seed)(f"{seed}:{task.split}/{task.id}")  # in the env's process
     draw = random.Random(f"corrupt:{seed}:{task.split}/{task.id}")
     first = env.reset(task)
