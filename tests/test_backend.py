@@ -68,3 +68,28 @@ def test_rollouts_take_the_same_greedy_actions_with_and_without_reuse(tiny_base)
             trajs = play(lambda: env, env.tasks("valid_seen"), actor, max_steps=5, greedy=True, source="t", batch_size=2)
             outputs.append([[s.output for s in t.steps] for t in trajs])
     assert outputs[0] == outputs[1] and outputs[2] == outputs[3]
+
+
+def test_scoring_makes_the_heads_logits_a_bounded_chunk_at_a_time(tiny_base):
+    """`score` gathers each candidate token's logit and subtracts a log-sum-exp over chunks of scored positions:
+    the logits it holds at once are `score_elements`, however many candidates and tokens, and the sums are
+    those of the full log-softmax."""
+    model, tok = load_policy(tiny_base, MODEL)
+    builder = PromptBuilder(tok, 120)
+    cands = [builder.action_ids(a) for a in ACTS] * 5  # 20 candidates
+    prompts = _conversations(builder)[2]
+    backend = HFBackend(model.eval(), tok.pad_token_id, reuse=False, score_rows=3)
+    vocab = model.get_output_embeddings().out_features
+    rows = []
+    head = backend.head
+    backend.head = lambda h: rows.append(h.shape[0]) or head(h)
+    backend.score_elements = 4 * vocab
+    got = backend.score([0, 1, 2], prompts, [cands, cands[:7], cands[3:]])
+    scored = sum(len(c) for c in cands) + sum(len(c) for c in cands[:7]) + sum(len(c) for c in cands[3:])
+    assert max(rows) == 4 and sum(rows) == scored + 1  # one pass: chunks of 4 positions, and one row for the size
+    with torch.no_grad():  # the full (tokens, vocabulary) log-softmax, by hand
+        hidden, layout, _, _ = backend._forward([0, 1, 2], prompts, [cands, cands[:7], cands[3:]])
+        for b, ((s, starts), cs) in enumerate(zip(layout, [cands, cands[:7], cands[3:]])):
+            for j, (start, c) in enumerate(zip(starts, cs)):
+                logp = torch.log_softmax(head(hidden[b, [s - 1] + list(range(start, start + len(c) - 1))]).float(), -1)
+                assert abs(float(logp[torch.arange(len(c)), torch.tensor(c)].sum()) - float(got[b][j])) < 1e-5

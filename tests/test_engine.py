@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from qevolve.models.backend import HFBackend, draw, uniforms
-from qevolve.models.engine import SlotEngine, rollout_engine
+from qevolve.models.engine import SlotEngine, attention, rollout_engine
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PromptBuilder
 from tests.test_backend import ACTS, MODEL, _conversations
@@ -85,6 +85,24 @@ def test_the_decode_step_compiles_once_for_every_step_turn_and_batch(tiny_base, 
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("heads, kv_heads, queries", [(9, 3, 1), (9, 3, 7), (4, 1, 5), (2, 2, 3)])
+def test_folded_attention_equals_grouped_query_attention(heads, kv_heads, queries):
+    """The engine's attention folds each key-value head's query heads into the query length instead of asking
+    `scaled_dot_product_attention` for `enable_gqa` with a mask: the same result, on prefill (several
+    queries) and decode (one) masks."""
+    torch.manual_seed(0)
+    B, L, d = 3, 11, 8
+    q, k, v = torch.randn(B, heads, queries, d), torch.randn(B, kv_heads, L, d), torch.randn(B, kv_heads, L, d)
+    mask = torch.rand(B, 1, queries, L) < 0.6
+    mask[..., 0] = True  # every query sees at least one key
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    got = attention(q, k, v, mask, 0.3)
+    assert got.shape == want.shape and (got - want).abs().max() < 1e-5
+    row = mask[:, :, :1]  # a mask of one row for every query (the decode step's shape, broadcast)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=row, scale=0.3, enable_gqa=True)
+    assert (attention(q, k, v, row, 0.3) - want).abs().max() < 1e-5
+
+
 def test_uniforms_are_a_hash_of_seed_and_step_as_computed_by_hand():
     def mix(x):  # the same hash in plain Python integers
         x &= 0xFFFFFFFF
@@ -113,6 +131,20 @@ def test_draw_inverts_the_cumulative_distribution(monkeypatch):
     assert torch.allclose(logp, torch.log(torch.tensor([0.1, 0.2, 0.7, 0.7])))
     tokens, logp = draw(torch.tensor([[0.0, 2.0, 1.0]]), True, 5.0, None, 0)  # greedy: the argmax, log-prob at temperature 1
     assert tokens.tolist() == [1] and torch.allclose(logp, torch.log_softmax(torch.tensor([0.0, 2.0, 1.0]), -1)[1:2])
+
+
+def test_the_largest_uniform_never_draws_a_token_without_mass(monkeypatch):
+    """`uniforms`' largest value, (2**24 - 0.5) / 2**24, is 1.0 once it is float32; times the total mass it
+    equalled the last cumulative sum, and the vocabulary's last token was drawn whatever its probability."""
+    import qevolve.models.backend as backend
+
+    top = (2**24 - 1 + 0.5) / 2**24
+    assert torch.tensor(top, dtype=torch.float32).item() == 1.0  # the case
+    monkeypatch.setattr(backend, "uniforms", lambda seeds, step: torch.full((len(seeds),), top, dtype=torch.float64))
+    logits = torch.tensor([[0.0, 1.0, 2.0, -float("inf"), -float("inf")], [0.0, 1.0, 2.0, -5.0, -200.0]])
+    tokens, logp = draw(logits, False, 1.0, torch.zeros(2, dtype=torch.long), 0)
+    assert tokens.tolist() == [2, 3]  # the last token with mass (exp(-200) is 0 in float32)
+    assert torch.isfinite(logp).all()
 
 
 def test_draws_follow_the_distribution():

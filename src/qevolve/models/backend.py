@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from qevolve.algos.losses import head_logprobs
 from qevolve.models.base import causal_lm
 from qevolve.models.device import placement
 
@@ -73,6 +74,10 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+SCORE_ELEMENTS = 2**24
+"""Logits (scored tokens x vocabulary) `score` makes at once: 64 MiB in float32, whatever the candidates."""
+
+
 class HFBackend:
     """A Hugging Face causal LM (peft-wrapped or not) run in this process; see the module docstring."""
 
@@ -84,6 +89,7 @@ class HFBackend:
         # accelerator wants the whole batch.
         self.device = next(model.parameters()).device
         self.score_rows = score_rows if score_rows is not None else (1 if self.device.type == "cpu" else None)
+        self.score_elements = SCORE_ELEMENTS
         # The transformer body and the LM head apart: logits are computed only where they are read.
         self.body, self.head = causal_lm(model).base_model, model.get_output_embeddings()
         self._cache: dict[int, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
@@ -188,8 +194,8 @@ class HFBackend:
                 targets += c
                 owner += [(b, j)] * len(c)
         index = lambda xs: torch.tensor(xs, device=self.device)  # noqa: E731
-        logp = torch.log_softmax(self.head(hidden[index(rows), index(at)]).float(), dim=-1)
-        token_logp = logp.gather(-1, index(targets)[:, None])[:, 0]
+        # the head's logits a chunk of positions at a time, never (tokens, vocabulary) float32 for all of them
+        token_logp = head_logprobs(hidden[index(rows), index(at)], self.head, index(targets), self.score_elements)
         sums = [[0.0] * len(cands) for cands in candidates]
         for (b, j), lp in zip(owner, token_logp.tolist()):
             sums[b][j] += lp
@@ -273,7 +279,10 @@ def draw(logits: torch.Tensor, greedy: bool, temperature: float, seeds: torch.Te
         nxt = logp.argmax(-1)
     else:
         cdf = logp.exp().cumsum(-1)
-        # u * total < total: the first position whose cumulative mass exceeds it is a token of mass > 0
-        at = (uniforms(seeds, step).to(cdf.dtype)[:, None] * cdf[:, -1:]).contiguous()
-        nxt = torch.searchsorted(cdf, at, right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)
+        total = cdf[:, -1:]
+        # at < total, so the first position whose cumulative mass exceeds it is a token of mass > 0. The
+        # uniform is below 1, but its largest values round to 1.0 in float32 (1 - 2**-25 does): the cap keeps
+        # such a draw on the last token that has mass rather than on the vocabulary's last token.
+        at = torch.minimum(uniforms(seeds, step).to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+        nxt = torch.searchsorted(cdf, at.contiguous(), right=True)[:, 0]
     return nxt, logp.gather(-1, nxt[:, None])[:, 0]

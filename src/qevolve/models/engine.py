@@ -45,6 +45,23 @@ BLOCK = 256
 """The buffer grows in steps of this many positions (and never shrinks)."""
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention with a boolean `mask` (B, 1, Q, L): queries (B, heads, Q, d), keys and values
+    (B, kv heads, L, d) -> (B, heads, Q, d), as `scaled_dot_product_attention(..., enable_gqa=True)`.
+
+    Each key-value head's query heads are folded into the query length (heads h = j * G + g, g < G, share kv
+    head j), and the mask repeated to match, so attention runs with as many heads as keys: a masked call
+    with `enable_gqa` can fall back to the math kernel on CUDA (float32 upcast, keys repeated per query head),
+    one without it runs on the fused kernels that take a mask."""
+    B, H, Q, d = q.shape
+    groups = H // k.shape[1]
+    if groups == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    folded = q.reshape(B, k.shape[1], groups * Q, d)
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.expand(B, 1, Q, k.shape[2]).repeat(1, 1, groups, 1), scale=scale)
+    return out.reshape(B, H, Q, d)
+
+
 def unsupported(model) -> str | None:
     """Why `SlotEngine` cannot run `model`, or None when it can."""
     body = causal_lm(model).base_model
@@ -182,7 +199,7 @@ class SlotEngine(HFBackend):
             def run(q, k, v, scale):
                 K = torch.cat([self._rows(self.keys[i], rows, past), k], dim=2)
                 V = torch.cat([self._rows(self.values[i], rows, past), v], dim=2)
-                out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scale, enable_gqa=True)
+                out = attention(q, K, V, mask, scale)
                 self.keys[i].index_put_(index, k.transpose(1, 2)[at[0], at[1]])
                 self.values[i].index_put_(index, v.transpose(1, 2)[at[0], at[1]])
                 return out
@@ -218,7 +235,7 @@ class SlotEngine(HFBackend):
                 self.keys[i].index_put_(index, k[:, :, 0])
                 self.values[i].index_put_(index, v[:, :, 0])
                 K, V = self._rows(self.keys[i], rows, window), self._rows(self.values[i], rows, window)
-                return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scale, enable_gqa=True)
+                return attention(q, K, V, mask, scale)
             return run
 
         x = self.body.embed_tokens(ids[:, None])
