@@ -236,7 +236,7 @@ def generation(device: torch.device, shape: str) -> dict:
                 run = lambda prompts, new=16: backend.generate(list(range(slots)), prompts, max_new_tokens=new,  # noqa: E731
                                                                stop=lambda t: False, greedy=True, temperature=1.0)
                 if name == "engine_compiled":
-                    backend._reserve(slots, len(convo[-1][0]) + 17)
+                    backend.reserve(slots, len(convo[-1][0]) + 17)
                     run(convo[0])  # compiles
                     backend.forget()
                 sync(device)

@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from qevolve.models.backend import HFBackend, draw, uniforms
 from qevolve.models.engine import SlotEngine, attention, rollout_engine
-from qevolve.models.policy import load_policy
+from qevolve.models.policy import Actor, load_policy
 from qevolve.models.prompt import PromptBuilder
 from tests.test_backend import ACTS, MODEL, _conversations
 
@@ -66,7 +66,7 @@ def test_a_llama_model_runs_on_the_engine_and_others_fall_back(tiny_base):
         SlotEngine(gpt2, 0)
 
 
-def test_the_decode_step_compiles_once_for_every_step_turn_and_batch(tiny_base, monkeypatch):
+def test_the_decode_step_compiles_once_for_every_step_turn_and_batch(tiny_base):
     """`torch.compile(fullgraph=True)` traces the whole step (no graph break), and no later step, turn, greedy or
     sampled call, or call with fewer episodes traces it again (dynamo raises on a recompile)."""
     import torch._dynamo
@@ -76,13 +76,49 @@ def test_the_decode_step_compiles_once_for_every_step_turn_and_batch(tiny_base, 
     builder = PromptBuilder(tok, 120)
     torch._dynamo.reset()
     counters.clear()
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     engine = SlotEngine(model.eval(), tok.pad_token_id, compile={"backend": "eager"})
-    engine._reserve(3, 200)  # the buffer's size fixed ahead, as `policy.compile` on a GPU would want
-    assert _agree(engine, HFBackend(model, tok.pad_token_id, reuse=False), builder) < 1e-5
-    engine.generate([1], _conversations(builder)[-1][1:2], max_new_tokens=6, stop=STOP, greedy=True, temperature=1.0)
+    engine.reserve(3, 200)  # the buffer sized ahead, as a rollout stage does
+    with torch._dynamo.config.patch(error_on_recompile=True):  # (monkeypatch's undo deletes dynamo's config entry)
+        assert _agree(engine, HFBackend(model, tok.pad_token_id, reuse=False), builder) < 1e-5
+        engine.generate([1], _conversations(builder)[-1][1:2], max_new_tokens=6, stop=STOP, greedy=True, temperature=1.0)
     assert counters["stats"]["unique_graphs"] == 1 and counters["stats"]["calls_captured"] > 100
     torch._dynamo.reset()
+
+
+def test_a_rollout_stage_sizes_the_buffer_first_and_compiles_its_decode_step_once(tiny_base, tmp_path, monkeypatch):
+    """The production path with `policy.compile: true`: `local_backend` sizes the engine's buffer for the stage's
+    batch and the context budget before any call, then greedy and sampled episodes of growing prompts, three
+    slots at a time, run on one compiled graph (dynamo raises on a recompile). "auto" is eager on a CPU, and a
+    compiled engine's buffer at least doubles when a longer prompt makes it grow."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import qevolve.models.policy as policy
+    from qevolve.config import parse_params
+    from qevolve.rollout import play
+    from tests.test_rollout import Corridor
+
+    raw = {"model": {"context_tokens": 300, "lora": {"r": 4, "alpha": 8}}, "policy": {"action_mode": "free", "max_new_tokens": 6}}
+    model = load_policy(tiny_base, parse_params(raw).model)[0]
+    model.save_pretrained(tmp_path / "adapter")
+    assert policy.compile_options(parse_params(raw), model) is None  # "auto", on a CPU
+    raw["policy"]["compile"] = True
+    real = policy.compile_options  # the real decision; only the compiler changes, to dynamo's eager backend
+    monkeypatch.setattr(policy, "compile_options", lambda p, m: None if real(p, m) is None else {**real(p, m), "backend": "eager"})
+    torch._dynamo.reset()
+    counters.clear()
+    backend, tok = policy.local_backend(parse_params(raw), tiny_base, tmp_path / "adapter", slots=3)
+    assert backend.capacity == 512 and backend.keys[0].shape[0] == 3  # 300 + 6 positions and the free one
+    actor = Actor(None, tok, PromptBuilder(tok, 300), "free", temperature=1.0, max_new_tokens=6, backend=backend)
+    env = Corridor()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for greedy in (True, False):
+            trajs = play(lambda: env, env.tasks("valid_seen") * 2, actor, max_steps=30, greedy=greedy, source="p", batch_size=3, seed=1)
+            assert max(s.prompt_tokens for t in trajs for s in t.steps) > 256  # past the first block the buffer would grow by
+    assert counters["stats"]["unique_graphs"] == 1 and counters["stats"]["calls_captured"] > 50
+    torch._dynamo.reset()
+    backend.reserve(3, 520)
+    assert backend.capacity == 1024
 
 
 @pytest.mark.parametrize("heads, kv_heads, queries", [(9, 3, 1), (9, 3, 7), (4, 1, 5), (2, 2, 3)])

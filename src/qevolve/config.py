@@ -317,10 +317,12 @@ class PolicyConfig(TrainConfig):
     buffer; `HFBackend` for model types it does not run), or `vllm` (GPU machines, the `vllm` extra;
     generation in `free` mode on vLLM, admissible scoring still on `hf`; needs
     `model.lora.train_embeddings: false`). Not part of a stage's lineage, like `model.device`."""
-    compile: bool = False
+    compile: bool | Literal["auto"] = "auto"
     """Compile `SlotEngine`'s decode step once per stage with `torch.compile` (on a GPU as a CUDA graph,
-    `mode="reduce-overhead"`): a step then costs one launch instead of hundreds. Compiling takes tens of
-    seconds, so it pays on long rollouts on a GPU. Not part of a stage's lineage."""
+    `mode="reduce-overhead"`): a step then costs one launch instead of hundreds. "auto": on CUDA only;
+    true or false force it. Compiling takes tens of seconds on a GPU (minutes on a CPU, where it does not
+    pay). The rollout stages size the engine's buffer for their batch first, so the step compiles once per
+    stage. Not part of a stage's lineage."""
     gpu_memory: float = Field(0.5, gt=0, le=1)
     """With `backend: vllm`, the share of the GPU's memory vLLM's engine may take (its weights, activations
     and KV cache; vLLM's `gpu_memory_utilization`). Not part of a stage's lineage."""

@@ -110,12 +110,20 @@ class SlotEngine(HFBackend):
         """Positions per slot, the last kept free for the writes of rows that have stopped."""
         return self.keys[0].shape[2] if self.keys else 0
 
-    def _reserve(self, slots: int, positions: int) -> None:
-        """Grow the buffers to at least `slots` rows of `positions` usable positions, keeping their contents."""
+    def reserve(self, slots: int, positions: int) -> None:
+        """Grow the buffers to at least `slots` rows of `positions` usable positions, keeping their contents.
+
+        A rollout stage calls it before its first turn with its batch and `context_tokens + max_new_tokens`
+        (`qevolve.models.policy.local_backend`), so the compiled step is traced once. A prompt longer than
+        that (a first observation past the context budget) grows them later; compiled, they then at least
+        double, so a process sees few shapes (dynamo's recompile limit is 8)."""
         have_slots = self.keys[0].shape[0] if self.keys else 0
         if slots <= have_slots and positions < self.capacity:
             return
         slots, length = max(slots, have_slots), max(self.capacity, -(-(positions + 1) // BLOCK) * BLOCK)
+        if self.compile_options is not None and self.keys:
+            length = max(length, 2 * self.capacity)
+            log.warning("SlotEngine: the key-value buffer grows to %d slots x %d positions; the compiled decode step compiles again", slots, length)
         p = next(self.model.parameters())
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -171,7 +179,7 @@ class SlotEngine(HFBackend):
         """As `HFBackend._forward` (the same layout and hidden states), on the slots' rows: each prompt's
         uncached suffix is written into its row, which then holds the prompt (and room for `reserve` more)."""
         reused = [self._held(s, p) for s, p in zip(slots, prompts)]
-        self._reserve(max(slots) + 1, max(map(len, prompts)) + reserve)
+        self.reserve(max(slots) + 1, max(map(len, prompts)) + reserve)
         past = max(reused)
         queries, layout = query_layout(reused, prompts, extra)
         B, Q = len(prompts), max(map(len, queries))

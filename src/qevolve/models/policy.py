@@ -21,7 +21,7 @@ import torch
 from qevolve.config import ModelConfig
 from qevolve.errors import artifact
 from qevolve.models.backend import RolloutBackend, seeds_from
-from qevolve.models.engine import rollout_engine
+from qevolve.models.engine import SlotEngine, rollout_engine
 from qevolve.models.base import load_base
 from qevolve.models.prompt import PromptBuilder, format_action, parse_action
 
@@ -116,10 +116,10 @@ def use_adapter(model, name: str) -> None:
         p.requires_grad_(True)
 
 
-def local_backend(params, base_dir: Path, policy_dir: Path) -> tuple[RolloutBackend, object]:
+def local_backend(params, base_dir: Path, policy_dir: Path, slots: int = 0) -> tuple[RolloutBackend, object]:
     """(backend, tokenizer) for `policy.backend` in this process: `rollout_engine` on the policy at `policy_dir`,
     or vLLM with that adapter (scoring, in admissible mode, on `rollout_engine`; in free mode nothing else
-    loads the model)."""
+    loads the model). `slots`: the stage's episodes at once, for which the engine's buffer is sized ahead."""
     if params.policy.backend == "vllm":
         from qevolve.models.base import load_tokenizer
         from qevolve.models.vllm_backend import vllm_backend
@@ -127,17 +127,28 @@ def local_backend(params, base_dir: Path, policy_dir: Path) -> tuple[RolloutBack
         scorer, tok = None, None
         if params.policy.action_mode == "admissible":
             model, tok = load_policy(base_dir, params.model, adapter=policy_dir)
-            scorer = rollout_engine(model.eval(), tok.pad_token_id, compile=compile_options(params, model))
+            scorer = _engine(params, model, tok, slots)
         return vllm_backend(base_dir, policy_dir, params, scorer), tok or load_tokenizer(base_dir)
     model, tok = load_policy(base_dir, params.model, adapter=policy_dir)
-    return rollout_engine(model.eval(), tok.pad_token_id, compile=compile_options(params, model)), tok
+    return _engine(params, model, tok, slots), tok
+
+
+def _engine(params, model, tok, slots: int) -> RolloutBackend:
+    """`rollout_engine` with `policy.compile`; a `SlotEngine`'s buffer sized for `slots` episodes of the
+    context budget plus one action, before its first call (a compiled step is traced for that shape)."""
+    backend = rollout_engine(model.eval(), tok.pad_token_id, compile=compile_options(params, model))
+    if isinstance(backend, SlotEngine) and slots:
+        backend.reserve(slots, params.model.context_tokens + params.policy.max_new_tokens)
+    return backend
 
 
 def compile_options(params, model) -> dict | None:
-    """`torch.compile`'s options for the decode step when `policy.compile` is set: CUDA graphs on a GPU."""
-    if not params.policy.compile:
+    """`torch.compile`'s options for the decode step, or None for an eager one: `policy.compile` true or
+    false, or "auto" (the default): compiled on CUDA, as CUDA graphs (`mode="reduce-overhead"`)."""
+    cuda = next(model.parameters()).device.type == "cuda"
+    if params.policy.compile is False or (params.policy.compile == "auto" and not cuda):
         return None
-    return {"mode": "reduce-overhead"} if next(model.parameters()).device.type == "cuda" else {}
+    return {"mode": "reduce-overhead"} if cuda else {}
 
 
 class ActionLineStop:

@@ -23,13 +23,13 @@ if TYPE_CHECKING:
 
 
 class _Replica:
-    def __init__(self, params, base_dir: str, policy_dir: str, threads: int):
+    def __init__(self, params, base_dir: str, policy_dir: str, threads: int, slots: int):
         import torch
 
         from qevolve.models.policy import local_backend
 
         torch.set_num_threads(threads)
-        self.backend = local_backend(params, Path(base_dir), Path(policy_dir))[0]
+        self.backend = local_backend(params, Path(base_dir), Path(policy_dir), slots)[0]
 
     def call(self, op: str, **kwargs):
         return getattr(self.backend, op)(**kwargs)
@@ -38,7 +38,7 @@ class _Replica:
 class RayPolicyBackend:
     """`RolloutBackend` over `params.policy.replicas` Ray actors (see the module docstring)."""
 
-    def __init__(self, params, base_dir: Path, policy_dir: Path):
+    def __init__(self, params, base_dir: Path, policy_dir: Path, slots: int = 0):
         import ray
 
         from qevolve.envs.ray_worker import connect
@@ -49,7 +49,7 @@ class RayPolicyBackend:
         gpu = resolve_device(params.model.device).type == "cuda"
         options = {"num_gpus": 1} if gpu else {"num_cpus": cpus}
         cls = ray.remote(max_restarts=0, **options)(_Replica)
-        self.replicas = [cls.remote(params, str(base_dir), str(policy_dir), max(1, int(cpus))) for _ in range(params.policy.replicas)]
+        self.replicas = [cls.remote(params, str(base_dir), str(policy_dir), max(1, int(cpus)), slots) for _ in range(params.policy.replicas)]
         self._stops: dict[int, tuple] = {}
 
     def _fan(self, op: str, slots: list[int], columns: dict[str, list], **kwargs) -> list:
@@ -92,13 +92,13 @@ class RayPolicyBackend:
         return {**ray.get(self.replicas[0].call.remote("placement")), "replicas": len(self.replicas)}
 
 
-def rollout_backend(params, base_dir: Path, policy_dir: Path) -> tuple[RolloutBackend, object]:
+def rollout_backend(params, base_dir: Path, policy_dir: Path, slots: int = 0) -> tuple[RolloutBackend, object]:
     """(backend, tokenizer) for a rollout stage's actor: `local_backend` in this process, or with
-    `policy.replicas`, Ray actors that each build one (`RayPolicyBackend`)."""
+    `policy.replicas`, Ray actors that each build one (`RayPolicyBackend`). `slots`: the stage's batch."""
     if params.policy.replicas:
         from qevolve.models.base import load_tokenizer
 
-        return RayPolicyBackend(params, base_dir, policy_dir), load_tokenizer(base_dir)
+        return RayPolicyBackend(params, base_dir, policy_dir, slots), load_tokenizer(base_dir)
     from qevolve.models.policy import local_backend
 
-    return local_backend(params, base_dir, policy_dir)
+    return local_backend(params, base_dir, policy_dir, slots)

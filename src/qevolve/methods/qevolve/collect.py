@@ -22,7 +22,7 @@ def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics
     count so far."""
     cfg = params.collect
     torch.manual_seed(cfg.seed + iteration)
-    backend, tok = rollout_backend(params, base_dir, policy_dir)
+    backend, tok = rollout_backend(params, base_dir, policy_dir, params.collect.batch_size)
     actor = Actor(None, tok, make_builder(params, tok, policy_dir), params.policy.action_mode, params.policy.temperature, params.policy.max_new_tokens,
                   backend=backend)
     trajs, failures, tasks = play_collection(params, actor, iteration)
