@@ -1,31 +1,37 @@
 """GPU check: what a GPU machine gives this project, with little beyond torch,
 transformers and peft (the research note's section 5: ../shared/research/scaleout.md).
 
-1. inventory: the device, its memory and compute capability, the library versions;
+1. inventory: the device, its memory and compute capability, the library versions, and the imports the check
+   and the stages need that fail (`missing_imports`);
 2. hub_kernels: no model the project loads calls transformers' Hub `kernelize` when it switches between
    training and inference (no kernel code fetched or run at run time);
 3. parity: the embedded model (random weights), the reference path (`HFBackend` re-encoding, CPU, float32)
-   against the rollout engine on the device, for `score` and greedy `generate` over 8 slots and 3 turns
-   with KV reuse: the same choices and tokens, the largest log-prob difference; float32 and bfloat16;
-4. training, generation, scoring, on a randomly initialised model of Qwen2.5-0.5B's shape in bfloat16
+   against the rollout engine on the device, for `score` and greedy and sampled `generate` over 8 slots and 3
+   turns with KV reuse: the same choices and tokens, the largest log-prob difference; float32, bfloat16, and
+   float32 with the decode step compiled as the stages compile it;
+4. sdpa: which attention kernel runs for the engine's folded-heads call and for a masked `enable_gqa` call,
+   at the decode and a prefill shape, with microseconds per call;
+5. training, generation, scoring, on a randomly initialised model of Qwen2.5-0.5B's shape in bfloat16
    (`--shape tiny` for a small one): LoRA training tokens/s with the trainers' chunked loss and its model
    FLOPs utilisation at 4N; greedy generation at 64 and 256 slots x 10 turns on each engine (`HFBackend`
-   re-encoding and with reuse, `SlotEngine`, compiled as a CUDA graph), with kernel launches per decode
-   step and the GPU-busy share of a profiled turn; `score` candidates/s;
-5. vllm: the vLLM backend on the embedded model, where vLLM imports;
-6. pipeline: one TextCraft iteration (experts, base, BC, evaluation, collect ... policy, evaluation)
+   re-encoding and with reuse, `SlotEngine`, compiled as a CUDA graph), with compile time, kernels,
+   `cudaGraphLaunch` and kernel-launch calls per decode step and the GPU-busy share of a profiled turn;
+   `score` candidates/s and peak memory at 20 x 8 and 40 x 12 candidates x tokens per slot;
+6. vllm: the vLLM backend on the embedded model, where vLLM imports;
+7. pipeline: one TextCraft iteration (experts, base, BC, evaluation, collect ... policy, evaluation)
    through `python -m qevolve.cli run` in a temporary workspace on the device, with stage wall times,
    success and peak GPU memory (skipped, with the reason, where pydantic or textcraft is missing);
-7. distributed: `train()` under a one-rank `torchrun` on the device (NCCL on a GPU), and 2 gloo ranks on
+8. distributed: `train()` under a one-rank `torchrun` on the device (NCCL on a GPU), and 2 gloo ranks on
    the host CPU against 1 (the same curve and adapter).
-Each section survives the failure of another (its traceback is the section's result). It writes
-gpu_check.json (after every section) and gpu_check.md to `--out`.
+Each section survives the failure of another (its traceback is the section's result) and is stopped at
+`--budget` seconds (default 480), so a call of a few sections fits a short lease; `--only` picks them
+(docs/gpu.md lists a sequence of calls). It writes gpu_check.json (after every section) and gpu_check.md to `--out`.
 
-    python benchmarks/gpu_check.py [--device cuda] [--shape 0.5b|tiny] [--out DIR] [--peak-tflops 989] [--only SECTION ...]
+    python benchmarks/gpu_check.py [--device cuda] [--shape 0.5b|tiny] [--out DIR] [--peak-tflops 989] [--only SECTION ...] [--budget S]
     python benchmarks/gpu_check.py --device cpu --shape tiny --scale tiny   # the CPU dry run (slow tests)
 
 On a GPU machine with its own torch but not this project's stack and no internet: build a wheelhouse on a
-machine that has the internet, `scripts/gpu_wheelhouse.sh DIR [PYTHON_VERSION]`, carry DIR over, and run
+machine that has the internet, `scripts/gpu_wheelhouse.sh DIR [PYTHON_VERSION] [ARCH]`, carry DIR over, and run
 `scripts/gpu_wheelhouse.sh --install DIR` there before the check (docs/gpu.md).
 """
 
@@ -36,6 +42,7 @@ import importlib.util
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -59,10 +66,22 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+IMPORTS = ("transformers", "peft", "accelerate", "tokenizers", "safetensors", "huggingface_hub", "kernels", "gguf", "pydantic",
+           "textcraft", "pyarrow", "yaml", "tqdm", "regex", "psutil", "packaging")
+"""What the check and the pipeline's stages import besides torch and numpy (scripts/gpu_wheelhouse.sh carries them)."""
+
+
 def inventory(device: torch.device) -> dict:
     out = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device)}
     for lib in ("transformers", "peft", "accelerate"):
         out[lib] = __import__(lib).__version__ if importlib.util.find_spec(lib) else "missing"
+    missing = []
+    for name in IMPORTS:
+        try:
+            __import__(name)
+        except Exception as err:  # noqa: BLE001 - an import that fails for any reason is reported
+            missing.append(f"{name} ({type(err).__name__}: {str(err)[:120]})")
+    out["missing_imports"] = "; ".join(missing) or "none"
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         out.update(gpu=p.name, memory_gb=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}",
@@ -85,16 +104,23 @@ def parity(base: Path, device: torch.device) -> dict:
     from qevolve.models.engine import rollout_engine
     from qevolve.models.policy import load_policy
 
-    def backend(where: str, dtype: str, reference: bool = False):  # the reference path on the CPU, the rollout engine on the device
+    def backend(where: str, dtype: str, reference: bool = False, compiled: bool = False):
+        """The reference path on the CPU; the rollout engine on the device, eager or compiled as the stages compile it."""
         model, tok = load_policy(base, ModelConfig(device=where, dtype=dtype), adapter=None)
-        return (HFBackend(model.eval(), tok.pad_token_id, reuse=False) if reference else rollout_engine(model.eval(), tok.pad_token_id)), tok
+        if reference:
+            return HFBackend(model.eval(), tok.pad_token_id, reuse=False), tok
+        options = None if not compiled else {"mode": "reduce-overhead"} if device.type == "cuda" else {"backend": "eager"}
+        engine = rollout_engine(model.eval(), tok.pad_token_id, compile=options)
+        if compiled:
+            engine.reserve(8, 256)
+        return engine, tok
 
     torch.manual_seed(0)
     ref, tok = backend("cpu", "float32", reference=True)
     state = ref.model.state_dict()
     out = {}
-    for dtype in ("float32", "bfloat16"):
-        dev, _ = backend(str(device), dtype)
+    for dtype, compiled in (("float32", False), ("bfloat16", False), ("float32_compiled", True)):
+        dev, _ = backend(str(device), dtype.removesuffix("_compiled"), compiled=compiled)
         dev.model.load_state_dict(state)
         prompts = [tok.encode(f"Your task is to: put some book {i} on sidetable. You arrive at desk {i}.") for i in range(8)]
         cands = [[tok.encode(c) for c in ("Action: go to desk 1", "Action: look", "Action: open cabinet 1")]] * 8
@@ -103,13 +129,50 @@ def parity(base: Path, device: torch.device) -> dict:
             a, b = ref.score(list(range(8)), prompts, cands), dev.score(list(range(8)), prompts, cands)
             same_choice &= all(int(x.argmax()) == int(y.argmax()) for x, y in zip(a, b))
             worst = max(worst, max(float((x - y).abs().max()) for x, y in zip(a, b)))
-            ga = ref.generate(list(range(8)), prompts, max_new_tokens=8, stop=lambda t: False, greedy=True, temperature=1.0)
-            gb = dev.generate(list(range(8)), prompts, max_new_tokens=8, stop=lambda t: False, greedy=True, temperature=1.0)
-            same_tokens &= [t for t, _ in ga] == [t for t, _ in gb]
-            worst = max(worst, max(abs(x - y) for (_, x), (_, y) in zip(ga, gb)))
-            prompts = [p + t + tok.encode(" Nothing happens.") for p, (t, _) in zip(prompts, ga)]
+            made = {}
+            for greedy in (True, False):  # greedy, then sampled from per-episode seeds
+                kw = dict(max_new_tokens=8, stop=lambda t: False, greedy=greedy, temperature=1.0, seeds=None if greedy else list(range(8)))
+                made[greedy], theirs = ref.generate(list(range(8)), prompts, **kw), dev.generate(list(range(8)), prompts, **kw)
+                same_tokens &= [t for t, _ in made[greedy]] == [t for t, _ in theirs]
+                worst = max(worst, max(abs(x - y) for (_, x), (_, y) in zip(made[greedy], theirs)))
+            prompts = [p + t + tok.encode(" Nothing happens.") for p, (t, _) in zip(prompts, made[True])]
         out[dtype] = {"same_choices": same_choice, "same_tokens": same_tokens, "max_abs_logp_diff": worst}
-    out["ok"] = out["float32"]["same_choices"] and out["float32"]["same_tokens"] and out["float32"]["max_abs_logp_diff"] < 1e-3
+    out["ok"] = all(out[k]["same_choices"] and out[k]["same_tokens"] and out[k]["max_abs_logp_diff"] < 1e-3 for k in ("float32", "float32_compiled"))
+    return out
+
+
+def sdpa(device: torch.device, shape: str) -> dict:
+    """Which kernel `scaled_dot_product_attention` runs for the engine's attention (`qevolve.models.engine.attention`,
+    the query heads folded) against a masked call with `enable_gqa`, at the decode shape (one query per slot over the
+    buffer) and a prefill shape (256 new tokens after 512 cached), in the model shape's heads and dtype; with the
+    microseconds per call. On CUDA a masked call falls back to `math` where no fused kernel takes it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from qevolve.models.engine import attention
+
+    dims = QWEN05 if shape == "0.5b" else TINY
+    heads, kv, d = dims["num_attention_heads"], dims["num_key_value_heads"], dims["hidden_size"] // dims["num_attention_heads"]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    slots = 64 if shape == "0.5b" else 8
+    out = {}
+    for name, (rows, queries, length) in {"decode": (slots, 1, 1024), "prefill": (8, 256, 768)}.items():
+        q = torch.randn(rows, heads, queries, d, device=device, dtype=dtype)
+        k, v = (torch.randn(rows, kv, length, d, device=device, dtype=dtype) for _ in range(2))
+        mask = torch.ones(rows, 1, queries, length, dtype=torch.bool, device=device).tril(length - queries)
+        calls = {"folded": lambda: attention(q, k, v, mask, d**-0.5, fold=True),
+                 "gqa_masked": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=True)}
+        for variant, call in calls.items():
+            call()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                call()
+            ops = sorted({e.name.removeprefix("aten::") for e in prof.events() if "scaled_dot_product" in e.name and "attention" in e.name
+                          and e.name != "aten::scaled_dot_product_attention"})
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(20):
+                call()
+            sync(device)
+            out[f"{name}_{variant}"] = {"kernel": ", ".join(ops) or "math (no fused op)", "us_per_call": round((time.perf_counter() - start) / 20 * 1e6, 1)}
     return out
 
 
@@ -216,8 +279,9 @@ def engines(model, device: torch.device) -> dict:
 def generation(device: torch.device, shape: str) -> dict:
     """Greedy generation, 10 turns x 16 tokens after 200-token prompts growing by 56 a turn, at 64 and 256 slots
     (8 and 16 on the tiny shape), on each engine: new tokens/s (the compiled engine after a warm-up run that
-    compiles it); and from a profile of one later turn, kernel launches (on a CPU: operators) per decode step
-    and the GPU-busy share of the wall time."""
+    compiles it, `first_call_s`: compile and capture); and from profiles of one later turn, per decode step: the
+    kernels that ran (on a CPU: operators), and the host's `cudaGraphLaunch` and kernel-launch calls (a replayed
+    graph is one launch), and the GPU-busy share of the wall time."""
     from torch.profiler import ProfilerActivity, profile
 
     model, dims = random_lora_model(device, shape)
@@ -236,8 +300,12 @@ def generation(device: torch.device, shape: str) -> dict:
                 run = lambda prompts, new=16: backend.generate(list(range(slots)), prompts, max_new_tokens=new,  # noqa: E731
                                                                stop=lambda t: False, greedy=True, temperature=1.0)
                 if name == "engine_compiled":
-                    backend.reserve(slots, len(convo[-1][0]) + 17)
-                    run(convo[0])  # compiles
+                    backend.reserve(slots, len(convo[-1][0]) + 17)  # as a rollout stage sizes it: its prompts and a turn
+                    sync(device)
+                    start = time.perf_counter()
+                    run(convo[0])  # compiles (and captures the CUDA graph)
+                    sync(device)
+                    row["first_call_s"] = round(time.perf_counter() - start, 2)
                     backend.forget()
                 sync(device)
                 start = time.perf_counter()
@@ -247,7 +315,7 @@ def generation(device: torch.device, shape: str) -> dict:
                 for new in (16, 1):  # two profiled turns that differ by 15 decode steps
                     backend.forget()
                     run(convo[-2])
-                    activity = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+                    activity = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
                     sync(device)
                     start = time.perf_counter()
                     with profile(activities=activity) as prof:
@@ -255,11 +323,15 @@ def generation(device: torch.device, shape: str) -> dict:
                         sync(device)
                     wall = time.perf_counter() - start
                     events = [e for e in prof.events() if (e.device_type.name == "CUDA") == (device.type == "cuda")]
-                    row[f"launches_{new}"] = len(events)
+                    row[f"launches_{new}"] = len(events)  # kernels that ran (inside a replayed graph too); on a CPU, operators
+                    runtime = [e.name for e in prof.events() if e.device_type.name == "CPU"]
+                    row[f"graph_{new}"] = runtime.count("cudaGraphLaunch")
+                    row[f"kernel_{new}"] = sum(runtime.count(n) for n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
                     if new == 16 and device.type == "cuda":
                         busy = sum(e.device_time_total for e in events if e.device_type.name == "CUDA") / 1e6
                         row["gpu_busy_share"] = round(busy / wall, 3)
-                row["launches_per_decode_step"] = round((row.pop("launches_16") - row.pop("launches_1")) / 15, 1)
+                for key, label in (("launches", "launches_per_decode_step"), ("graph", "cuda_graph_launches_per_step"), ("kernel", "cuda_kernel_launches_per_step")):
+                    row[label] = round((row.pop(f"{key}_16") - row.pop(f"{key}_1")) / 15, 1)
             except Exception as err:  # noqa: BLE001 - one engine's failure is reported, the others still run
                 row["error"] = f"{type(err).__name__}: {str(err)[:500]}"
             out[f"{name}_{slots}"] = row
@@ -267,23 +339,33 @@ def generation(device: torch.device, shape: str) -> dict:
 
 
 def scoring(device: torch.device, shape: str) -> dict:
-    """`score`: 20 candidates of 8 tokens per slot after 400-token prompts, on HFBackend and the engine (cache warm)."""
+    """`score` after 400-token prompts, 20 candidates of 8 tokens and 40 of 12 per slot, on HFBackend and the
+    engine (cache warm): candidates/s and, on a GPU, the peak memory of a scoring call above what was held before it."""
     model, dims = random_lora_model(device, shape)
     model = model.merge_and_unload().eval()
     slots = 64 if shape == "0.5b" else 8
     prompts = [torch.randint(1, dims["vocab_size"], (400,)).tolist() for _ in range(slots)]
-    cands = [[torch.randint(1, dims["vocab_size"], (8,)).tolist() for _ in range(20)] for _ in range(slots)]
     out = {}
-    for name, make in ((n, m) for n, m in engines(model, device).items() if n in ("hf_reuse", "engine")):
-        backend = make()
-        backend.score_rows = None  # the whole batch in one pass
-        backend.score(list(range(slots)), prompts, cands)  # warm-up, and fills the caches
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(3):
-            backend.score(list(range(slots)), prompts, cands)
-        sync(device)
-        out[f"{name}_candidates_s"] = round(3 * slots * 20 / (time.perf_counter() - start))
+    for n, length in ((20, 8), (40, 12)):
+        cands = [[torch.randint(1, dims["vocab_size"], (length,)).tolist() for _ in range(n)] for _ in range(slots)]
+        for name, make in ((e, m) for e, m in engines(model, device).items() if e in ("hf_reuse", "engine")):
+            backend = make()
+            backend.score_rows = None  # the whole batch in one pass
+            backend.score(list(range(slots)), prompts, cands)  # warm-up, and fills the caches
+            sync(device)
+            row = {}
+            if device.type == "cuda":
+                held = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+            for _ in range(3):
+                backend.score(list(range(slots)), prompts, cands)
+            sync(device)
+            row["candidates_s"] = round(3 * slots * n / (time.perf_counter() - start))
+            if device.type == "cuda":
+                row["peak_gb_above_held"] = round((torch.cuda.max_memory_allocated(device) - held) / 2**30, 2)
+            out[f"{name}_{n}x{length}"] = row
+            del backend
     return out
 
 
@@ -380,13 +462,26 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+SECTIONS = ("inventory", "hub_kernels", "parity", "sdpa", "training", "generation", "scoring", "vllm", "pipeline", "distributed")
+
+
+class OverBudget(Exception):
+    """A section ran past `--budget` seconds."""
+
+
+def _over_budget(signum, frame):
+    raise OverBudget
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu (the dry run)")
     ap.add_argument("--shape", choices=["0.5b", "tiny"], default="0.5b", help="model shape of the throughput sections")
     ap.add_argument("--scale", choices=["full", "tiny"], default="full", help="size of the TextCraft pipeline")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak (H100/H200 SXM: 989); default: by name")
-    ap.add_argument("--only", nargs="+", default=None, help="run only these sections (inventory always runs)")
+    ap.add_argument("--only", nargs="+", default=None, choices=SECTIONS, metavar="SECTION",
+                    help=f"run only these sections (inventory always runs): {', '.join(SECTIONS)}")
+    ap.add_argument("--budget", type=int, default=480, help="seconds a section may run; one past it is stopped and reported as such (default 480)")
     ap.add_argument("--out", type=Path, default=Path("gpu_check"))
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -400,17 +495,25 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         base = embedded_base(Path(tmp) / "base")
         sections = {"inventory": lambda: inventory(device), "hub_kernels": lambda: hub_kernels(base), "parity": lambda: parity(base, device),
-                    "training": lambda: training(device, args.shape, peak), "generation": lambda: generation(device, args.shape),
-                    "scoring": lambda: scoring(device, args.shape), "vllm": lambda: vllm_path(base),
-                    "pipeline": lambda: pipeline(device, args.scale), "distributed": lambda: distributed(base, device, Path(tmp))}
+                    "sdpa": lambda: sdpa(device, args.shape), "training": lambda: training(device, args.shape, peak),
+                    "generation": lambda: generation(device, args.shape), "scoring": lambda: scoring(device, args.shape),
+                    "vllm": lambda: vllm_path(base), "pipeline": lambda: pipeline(device, args.scale),
+                    "distributed": lambda: distributed(base, device, Path(tmp))}
+        assert tuple(sections) == SECTIONS
+        signal.signal(signal.SIGALRM, _over_budget)
         for name, run in sections.items():
             if args.only and name not in args.only and name != "inventory":
                 continue
             start = time.perf_counter()
+            signal.alarm(args.budget)
             try:  # each section survives the failure of another
                 results[name] = run()
+            except OverBudget:
+                results[name] = {"error": f"stopped at its budget of {args.budget} s (--budget)"}
             except Exception:  # noqa: BLE001 - recorded in the report
                 results[name] = {"error": traceback.format_exc()[-3000:]}
+            finally:
+                signal.alarm(0)
             timings[name] = round(time.perf_counter() - start, 1)
             print(f"gpu_check: {name} {'FAILED' if 'error' in results[name] and len(results[name]) == 1 else 'done'} in {timings[name]} s", flush=True)
             (args.out / "gpu_check.json").write_text(json.dumps({**results, "section_seconds": timings}, indent=1, default=str) + "\n")

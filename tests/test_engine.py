@@ -132,11 +132,12 @@ def test_folded_attention_equals_grouped_query_attention(heads, kv_heads, querie
     mask = torch.rand(B, 1, queries, L) < 0.6
     mask[..., 0] = True  # every query sees at least one key
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
-    got = attention(q, k, v, mask, 0.3)
+    got = attention(q, k, v, mask, 0.3, fold=True)  # the CUDA path, here on the CPU
     assert got.shape == want.shape and (got - want).abs().max() < 1e-5
+    assert torch.equal(attention(q, k, v, mask, 0.3), want)  # the CPU's default: the grouped call itself
     row = mask[:, :, :1]  # a mask of one row for every query (the decode step's shape, broadcast)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=row, scale=0.3, enable_gqa=True)
-    assert (attention(q, k, v, row, 0.3) - want).abs().max() < 1e-5
+    assert (attention(q, k, v, row, 0.3, fold=True) - want).abs().max() < 1e-5
 
 
 def test_uniforms_are_a_hash_of_seed_and_step_as_computed_by_hand():

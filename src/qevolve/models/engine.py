@@ -45,16 +45,19 @@ BLOCK = 256
 """The buffer grows in steps of this many positions (and never shrinks)."""
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, fold: bool | None = None) -> torch.Tensor:
     """Grouped-query attention with a boolean `mask` (B, 1, Q, L): queries (B, heads, Q, d), keys and values
     (B, kv heads, L, d) -> (B, heads, Q, d), as `scaled_dot_product_attention(..., enable_gqa=True)`.
 
-    Each key-value head's query heads are folded into the query length (heads h = j * G + g, g < G, share kv
-    head j), and the mask repeated to match, so attention runs with as many heads as keys: a masked call
-    with `enable_gqa` can fall back to the math kernel on CUDA (float32 upcast, keys repeated per query head),
-    one without it runs on the fused kernels that take a mask."""
+    With `fold` (the default on CUDA), each key-value head's query heads are folded into the query length (heads
+    h = j * G + g, g < G, share kv head j) and the mask repeated to match, so attention runs with as many heads
+    as keys: a masked call with `enable_gqa` can fall back to the math kernel on CUDA (float32 upcast, keys
+    repeated per query head), one without it runs on the fused kernels that take a mask. The CPU's fused
+    kernel takes both, and there the repeated mask makes a prefill slower (benchmarks/gpu_check.py, `sdpa`)."""
     B, H, Q, d = q.shape
     groups = H // k.shape[1]
+    if not (q.is_cuda if fold is None else fold):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
     if groups == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     folded = q.reshape(B, k.shape[1], groups * Q, d)
