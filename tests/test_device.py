@@ -22,6 +22,22 @@ def test_device_settings_resolve(monkeypatch):
     assert resolve_dtype("float16", torch.device("cpu")) is torch.float16
 
 
+def test_a_cuda_device_turns_tf32_on_and_the_cpu_leaves_it(monkeypatch):
+    """On a GPU, float32 matmuls (the LoRA adapters beside a bfloat16 base) run on the tensor cores as TF32.
+    Here CUDA's presence is stood in for; setting the flags initialises nothing."""
+    monkeypatch.delenv("QEVOLVE_DEVICE", raising=False)
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # flags monkeypatch cannot undo
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        assert resolve_device("cpu").type == "cpu" and not torch.backends.cuda.matmul.allow_tf32
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        assert resolve_device("auto") == torch.device("cuda", 0)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_asking_for_cuda_without_one_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("QEVOLVE_DEVICE", raising=False)

@@ -1,6 +1,6 @@
 """Where a model computes: the device and dtype that `model.device` and `model.dtype` resolve to.
 
-The setting `auto` picks the GPU where one is present. Under `torchrun` (several training processes)
+The setting `auto` picks the GPU where one is present; on a GPU, float32 matmuls run as TF32. Under `torchrun` (several training processes)
 each process takes the GPU of its local rank. `QEVOLVE_DEVICE` overrides `model.device`, so a worker
 can be pointed at a device without editing params.yaml (the device is not part of a stage's lineage).
 """
@@ -33,6 +33,10 @@ def resolve_device(setting: str = "auto") -> torch.device:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         if device.index >= torch.cuda.device_count():
             raise DeviceError(f"{key}: {setting!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+        # float32 matmuls (LoRA adapters kept in float32 beside a bfloat16 base, float32 models) on the tensor
+        # cores as TF32 (10-bit mantissa inputs, float32 accumulation) instead of the plain float32 units
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     return device
 
 
