@@ -1,12 +1,15 @@
 """The device path: settings resolve to a device and dtype, stay out of lineage, and (where a GPU is
 present) CUDA computes what the CPU computes."""
 
+import os
+
 import pytest
 import torch
 
 from qevolve import dvcfile
 from qevolve.config import ConfigError, ModelConfig, lineage_dump, parse_params
 from qevolve.models.device import DeviceError, resolve_device, resolve_dtype
+from qevolve.recipe import load_recipe
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine (CPU/CUDA parity needs one)")
 
@@ -151,3 +154,21 @@ def test_the_bf16_peak_is_read_off_the_gpus_exact_model(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d, name=name: name)
         assert device_module.peak_tflops(torch.device("cuda", 0)) == peak, name
     assert device_module.peak_tflops(torch.device("cpu")) == 0.0
+
+
+def test_stages_that_never_compute_on_a_device_run_with_cuda_hidden(tmp_path, monkeypatch):
+    """`qevolve run experts` (base, relabel) hides CUDA from its process before any stage code runs, so on a GPU host
+    it neither initialises CUDA nor holds a context there; a stage that computes (bc) sees the devices as set."""
+    import shutil
+
+    import qevolve.cli as cli
+
+    shutil.copy("params.yaml", tmp_path / "params.yaml")
+    shutil.copy("dvc.yaml", tmp_path / "dvc.yaml")
+    seen = {}
+    monkeypatch.setattr(cli, "run_stage", lambda stage, *a: seen.update({stage: os.environ.get("CUDA_VISIBLE_DEVICES")}) or {})
+    for stage, iteration in (("bc", []), ("experts", []), ("relabel", ["--iteration", "1"])):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+        assert cli.main(["run", stage, *iteration, "--params", str(tmp_path / "params.yaml")]) == 0
+    assert seen == {"bc": "0,1", "experts": "", "relabel": ""}
+    assert {s.name for s in load_recipe("qevolve").stages(parse_params({})) if not s.accelerated} == {"experts", "base", "relabel"}

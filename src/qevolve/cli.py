@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from qevolve import dvcfile
 from qevolve.config import load_params
 from qevolve.errors import UserError, debugging, report
 from qevolve.lock import under_torchrun, workspace_lock
+from qevolve.recipe import load_recipe
 from qevolve.stages import run_stage
 
 
@@ -99,6 +101,8 @@ def _command(args) -> int:
         print(f"dvc.yaml {'written' if changed else 'already up to date'} ({params.evolve.iterations} iterations)")
         return 0
     dvcfile.check(params, args.params.parent / "dvc.yaml")
+    if not load_recipe(params.method).stage(args.stage, params).accelerated:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything asks CUDA: this stage's process never touches the GPU
     from qevolve.training import process_group
 
     with workspace_lock(args.params.parent, f"stage {args.stage}"), process_group(params.model.device):

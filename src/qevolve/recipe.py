@@ -83,6 +83,10 @@ class Stage:
     """Passed `iteration=k`."""
     trainer: bool = False
     """Trains a model: `train.processes` > 1 runs it data-parallel under torchrun."""
+    accelerated: bool = True
+    """Computes on `model.device`. False (`experts`, `base`, `relabel`): it never does, and `qevolve run` starts
+    it with CUDA hidden (`CUDA_VISIBLE_DEVICES` empty), so on a GPU host it neither initialises CUDA nor
+    holds a context on the device."""
     path_params: tuple[str, ...] = ()
     """params keys naming a file or folder the stage reads (TerminalTraj's `terminaltraj.generate.sources`):
     where one is set, its path is a DVC dep too."""
@@ -99,9 +103,9 @@ class Stage:
 BC_LOGGED = Logged(("loss",), ("out", "bc_adapter"))
 SETUP = (
     Stage("experts", "qevolve.stages.experts", lambda k: {}, lambda k: {"out": paths.EXPERTS}, ("env", "experts"), once=True, details=True,
-          logged=PLAYED),
+          logged=PLAYED, accelerated=False),
     Stage("base", "qevolve.stages.base", lambda k: {"experts_dir": paths.EXPERTS}, lambda k: {"out": paths.BASE},
-          ("env.name", "model.base", "model.embedded", "model.context_tokens"), once=True),
+          ("env.name", "model.base", "model.embedded", "model.context_tokens"), once=True, accelerated=False),
     Stage("bc", "qevolve.stages.bc", lambda k: {"base_dir": paths.BASE, "experts_dir": paths.EXPERTS}, lambda k: {"out": paths.BC},
           ("env", *MODEL_PARAMS, "prompt", "bc"), once=True, curve=("step", "loss"), trainer=True, logged=BC_LOGGED),
 )

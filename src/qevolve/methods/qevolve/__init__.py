@@ -22,7 +22,7 @@ def _iteration(params, recipe: Recipe) -> tuple[Stage, ...]:
               lambda k: {"base_dir": paths.BASE, "policy_dir": paths.policy(k - 1), "previous_metrics": steps(k - 1)},
               lambda k: {"out": paths.collected(k)}, (*ACTING_PARAMS, "policy.temperature", "collect"), takes_iteration=True),
         Stage("relabel", f"{HERE}.relabel", lambda k: {"experts_dir": paths.EXPERTS, "collected_dir": paths.collected(k)},
-              lambda k: {"out": paths.hybrid(k)}, ("env", "relabel")),
+              lambda k: {"out": paths.hybrid(k)}, ("env", "relabel"), accelerated=False),
         Stage("critic", f"{HERE}.critic", lambda k: {"base_dir": paths.BASE, "policy_dir": paths.policy(k - 1), "data_dir": paths.hybrid(k)},
               lambda k: {"out": paths.critic(k)}, (*MODEL_PARAMS, *BUILDER_PARAMS, "critic"), curve=("step", "loss"), trainer=True,
               logged=TRAINED_CRITIC),
