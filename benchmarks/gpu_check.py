@@ -236,11 +236,12 @@ def training(device: torch.device, shape: str, peak_tflops: float) -> dict:
     chunks) and its model FLOPs utilisation at 4N (LoRA: no weight gradients for the frozen base)."""
     from qevolve.algos.losses import masked_nll
     from qevolve.models.base import target_logprobs
+    from qevolve.training import per_token_parameters
 
     model, dims = random_lora_model(device, shape)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    params = sum(p.numel() for p in model.parameters())
+    params = per_token_parameters(model)  # the matmuls at every token: not the embedding nor the head (run at the targets)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     batch, seq = (8, 1024) if shape == "0.5b" else (2, 128)
     ids = torch.randint(0, dims["vocab_size"], (batch, seq), device=device)

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from qevolve.config import ModelConfig, TrainConfig, TrainRunConfig
 from qevolve.data.atomic import atomic_path, write_json
+from qevolve.models.base import causal_lm
 from qevolve.models.device import is_main, model_device, peak_tflops, placement, rank_and_world, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -366,14 +367,25 @@ def train_speed(model: torch.nn.Module, curve: list[dict], run: TrainRunConfig |
     as the trainer's `length` counts an item, which for Multi²'s joint passes counts a sequence each time it
     is run through), and where the device's peak is known (`train.peak_tflops`, or the GPU's name), the model FLOPs
     utilisation at 4 FLOPs per parameter per token (forward 2, backward through the activations 2: LoRA
-    makes no gradient for the frozen weights)."""
+    makes no gradient for the frozen weights), counting the parameters that run at every token: not the token
+    embedding (a lookup) nor the LM head, which the losses run at the target tokens alone (`target_logprobs`),
+    so the figure leaves out the head's share at the targets rather than counting it at every token."""
     seconds, tokens = sum(c["seconds"] for c in curve), sum(c["tokens"] for c in curve)
     out = {"train_tokens": tokens, "tokens_per_s": tokens / seconds if seconds else 0.0}
     peak = (run.peak_tflops if run else 0.0) or peak_tflops(model_device(model))
     if peak:
-        parameters = sum(p.numel() for p in model.parameters())  # a sharded parameter counts whole
-        out["mfu"] = 4 * parameters * out["tokens_per_s"] / (peak * 1e12 * rank_and_world()[1])
+        out["mfu"] = 4 * per_token_parameters(model) * out["tokens_per_s"] / (peak * 1e12 * rank_and_world()[1])
     return out
+
+
+def per_token_parameters(model: torch.nn.Module) -> int:
+    """Parameters whose matmuls run at every token: all but the token embedding and the LM head (one tensor
+    when tied). A sharded parameter counts whole."""
+    skip = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = getattr(causal_lm(model), "get_output_embeddings", lambda: None)()
+    if head is not None:  # with its trained copy, where peft keeps one (`model.lora.train_embeddings`)
+        skip |= {id(p) for p in head.parameters()}
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
 
 
 def _by_rate(model: torch.nn.Module, lr: float) -> list[dict]:
