@@ -21,6 +21,22 @@ from qevolve.envs.terminal_import import REPORT, import_tasks
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (scripts/setup.sh installs it where it can)")
 
 
+@pytest.mark.parametrize("sequence", [
+    "\x1b[31m", "\x1b[0m", "\x1b[2J", "\x1b[?1049h", "\x1b[38;5;196m", "\x1b[1 q",  # CSI, with parameters and intermediates
+    "\u009b31m", "\u009b2J",  # CSI in 8 bits (U+009B in UTF-8 text)
+    "\x1b]0;a title\x07", "\x1b]8;;http://x\x1b\\", "\u009d0;title\u009c",  # OSC to BEL or ST, 7- and 8-bit
+    "\x1bP1$r0m\x1b\\", "\x1bXsos\x1b\\", "\x1b^pm\x1b\\", "\x1b_apc\x1b\\", "\u0090dcs\u009c",  # DCS, SOS, PM, APC
+    "\x1bc", "\x1b(0", "\x1b)B", "\x1b#8", "\x1b%G", "\x1b7", "\x1b8", "\x1b=", "\x1b>", "\x1bD", "\x1bM", "\x1bZ",  # RIS, nF, Fp, Fe
+    "\x07", "\x08", "\x0e", "\x0f", "\x7f", "\u0085", "\u009a",  # C0 (BEL, BS, SO, SI), DEL, C1
+])
+def test_observations_carry_no_control_function(sequence):
+    """Every ECMA-48 escape, control string and C1 control is removed from what the agent reads; the text around it
+    stays, as do tab, newline and carriage return."""
+    raw = f"before{sequence}after\tend\r\n".encode()
+    assert clip(raw, 1000) == "beforeafter\tend\r\n"
+    assert clip(f"x{sequence}".encode(), 1000) == "x"  # at the very end too
+
+
 def test_output_is_cut_to_its_head_and_tail_with_ansi_stripped():
     assert clip(b"\x1b[31mred\x1b[0m ok \xff", 100) == "red ok \ufffd"
     # 26 bytes, budget 10: the first 5 and last 5 kept, 16 left out
@@ -219,12 +235,20 @@ def test_a_hanging_validator_is_timed_out_and_loses(tmp_path):
 
 def test_a_bad_task_folder_names_the_file_and_the_field(tmp_path):
     t = _task(tmp_path, toml='[verifier]\ntimeout_sec = "soon"\n')
-    with pytest.raises(TaskError, match=r"task.toml: verifier.timeout_sec must be a positive number of seconds, got 'soon'"):
+    with pytest.raises(TaskError, match=r"task.toml: verifier.timeout_sec must be a finite number of seconds, 0 < s <= 86400 \(.*\), got 'soon'"):
         read_task(t)
+    for toml, field in (("[verifier]\ntimeout_sec = nan", "verifier.timeout_sec"), ("[agent]\ntimeout_sec = inf", "agent.timeout_sec"),
+                        ("[agent]\ntimeout_sec = 0", "agent.timeout_sec"), ("[verifier]\ntimeout_sec = true", "verifier.timeout_sec"),
+                        ("[environment]\nmemory_mb = nan", "environment.memory_mb"), ("[environment]\ncpus = -inf", "environment.cpus"),
+                        ("[environment]\nstorage_mb = 1e30", "environment.storage_mb"), ("[metadata]\ncategory = 3", "metadata.category"),
+                        ("environment = 3", "environment")):
+        (t / "task.toml").write_text(toml + "\n")
+        with pytest.raises(TaskError, match=re.escape(f"{t / 'task.toml'}: {field} must be ")):
+            read_task(t)
     (t / "task.toml").write_text("[metadata\n")
     with pytest.raises(TaskError, match=r"task.toml: not valid TOML"):
         read_task(t)
-    for validators, why in (('["../count.py"]', "must be a list of file names in tests/"), ('"test_count.py"', "must be a list"),
+    for validators, why in (('["../count.py"]', "must be a list of file names in tests/"), ('"test_count.py"', "must be a list of file names"),
                             ('["test_other.py"]', "names test_other.py, which is not a file in")):
         (t / "task.toml").write_text(f"[qevolve]\nvalidators = {validators}\n")
         with pytest.raises(TaskError, match=re.escape(why)):
@@ -641,7 +665,7 @@ def test_a_tasks_own_limits_are_given_up_to_the_configs_and_the_verifier_timeout
     assert not task_limits(meta, TerminalConfig(allow_internet=True), validators=True).network, "never for the validators"
     plain = read_task(_task(tmp_path / "tasks", "plain"))
     assert task_limits(plain, TerminalConfig(allow_internet=True)) == Limits(network=False), "no [environment]: the config's, no network"
-    for bad, field in (("memory_mb = \"lots\"", "environment.memory_mb must be a number"), ("cpus = -1", "environment.cpus must be"),
+    for bad, field in (("memory_mb = \"lots\"", "environment.memory_mb must be a finite number"), ("cpus = -1", "environment.cpus must be"),
                        ("allow_internet = \"yes\"", "environment.allow_internet must be true or false")):
         folder = _task(tmp_path / "bad", bad.split()[0], toml=f'[metadata]\ncategory = "text"\n[environment]\n{bad}\n')
         with pytest.raises(TaskError, match=re.escape(f"{folder / 'task.toml'}: {field}")):
@@ -1069,3 +1093,77 @@ def test_a_registry_shares_task_images_so_a_task_is_built_once_between_machines(
     assert Scaleout.model_validate({"images": {"registry": "registry.lab:5000/qevolve"}}).images.registry == "registry.lab:5000/qevolve"
     with pytest.raises(ValueError, match=r"images.registry: '-x' is not a registry"):
         Scaleout.model_validate({"images": {"registry": "-x"}})
+
+
+HOSTILE = {
+    "nul": "echo a\x00b > count.txt",
+    "long": "echo " + "x" * 200_000,  # one argument past the kernel's 128 KiB
+    "surrogate": "echo \udcff",
+    "deep": "python3 -c \"import os\nfor _ in range(1500): os.mkdir('d'); os.chdir('d')\"",  # deeper than Python's recursion
+    "exit": "exit 3",
+    "kill": "kill -9 $$",
+    "binary": "head -c 3000 /dev/urandom",
+    "escapes": "printf '\\033c\\033]0;x\\007\\033(0\\033#8'",
+}
+
+
+class _Script:
+    """An agent that sends its task's hostile command, then submits."""
+
+    def decide(self, episodes, greedy, slots):
+        from qevolve.models.policy import Decision
+
+        return [Decision(HOSTILE[e.task.id] if not e.outputs else SUBMIT, 0.0, 1) for e in episodes]
+
+    def parse(self, output):
+        return output
+
+    def observed(self, moved):
+        pass
+
+
+@pytest.mark.parametrize("sandbox", ["local", "bwrap"])
+def test_whatever_an_agent_sends_its_episode_is_counted_and_lost(tmp_path, sandbox):
+    """Hostile commands (a NUL byte, 200 KB, a lone surrogate, a tree 1,500 deep, the shell's exit or death, binary and
+    escape output) never fail the environment: each episode ends, lost, none restarted or dropped, and the next
+    episode of the same environment resets cleanly after it."""
+    if sandbox == "bwrap" and shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    from qevolve.rollout import play
+
+    for name in HOSTILE:
+        _task(tmp_path / "tasks", name)
+    env = TerminalEnv(str(tmp_path / "tasks"), TerminalConfig(sandbox=sandbox), max_steps=3)
+    try:
+        trajs = play(lambda: env, env.tasks("train"), _Script(), max_steps=3, greedy=True, source="hostile", batch_size=1)
+    finally:
+        env.close()
+    assert sorted(t.task_id for t in trajs) == sorted(HOSTILE)
+    assert [(t.task_id, t.failure) for t in trajs if t.won or t.failure != "done"] == []  # each lost at its submit
+    assert all(len(t.steps) == 2 and t.steps[-1].action == SUBMIT for t in trajs)
+    assert not any(ch in t.steps[0].next_observation for t in trajs for ch in "\x1b\x00\x07")
+    assert not list(tmp_path.glob("**/qevolve-terminal-*"))
+
+
+def test_hand_over_and_removal_reach_any_depth(tmp_path):
+    """A tree 10,000 folders deep (past PATH_MAX; Python's `os.walk` and `shutil.rmtree` recurse and fail at about
+    1,000): given to the sandbox's user, then removed, with a folder the agent closed on the way."""
+    from qevolve.envs.sandbox import SANDBOX_UID, hand_over, remove_tree
+
+    top = tmp_path / "app"
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for i in range(10_000):
+        os.mkdir("d", dir_fd=fd)
+        below = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        if i == 5_000:
+            os.chmod(below, 0)  # what a sandbox's `chmod 000` leaves
+        os.close(fd)
+        fd = below
+    os.close(os.open("leaf", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
+    os.close(fd)
+    hand_over(top)
+    if os.geteuid() == 0:
+        assert top.stat().st_uid == SANDBOX_UID and (top / "d" / "d").stat().st_uid == SANDBOX_UID
+    remove_tree(top)
+    assert not top.exists()

@@ -21,7 +21,7 @@ Backends (`env.terminal.sandbox`):
 - `local`: bash in the episode folder with no isolation at all, for tests and trusted tasks; refused unless
   asked for by name.
 
-A command's output is stdout and stderr together, ANSI escapes stripped, undecodable bytes replaced, cut to
+A command's output is stdout and stderr together, undecodable bytes replaced, ECMA-48 control functions removed, cut to
 `output_bytes` as Terminus-2 does (the first and last halves, with a note of what was left out). Its end
 is a random sentinel carrying `$?`, so `cd`, variables and background jobs persist between commands. A
 command past its timeout has every process under the shell killed (the shell survives and reports 137);
@@ -32,6 +32,7 @@ and the result says so (`restarted`: cd and variables are reset).
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import queue
 import re
@@ -48,8 +49,15 @@ from pathlib import Path
 
 from qevolve.errors import UserError
 
+log = logging.getLogger(__name__)
 BACKENDS = ("bwrap", "docker", "local")
-ANSI = re.compile(rb"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
+CONTROLS = re.compile(
+    "(?:\x1b\\[|\x9b)[\x30-\x3f]*[\x20-\x2f]*[\x40-\x7e]?"  # CSI, 7- and 8-bit: parameters, intermediates, final
+    "|(?:\x1b[\\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\\\|\x9c)?"  # OSC, DCS, SOS, PM, APC: to BEL or ST
+    "|\x1b[\x20-\x2f]*[\x30-\x7e]?"  # every other escape (ESC c, ESC ( 0, ESC # 8, ESC 7, ESC =) and a lone ESC
+    "|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]"  # the other C0 controls (tab, newline and carriage return stay), DEL, C1
+)
+"""ECMA-48's control functions in decoded text: what a terminal would act on rather than show."""
 GRACE_S = 2.0
 """How long a killed command's shell gets to print its sentinel before the sandbox is restarted."""
 START_S = {"bwrap": 30.0, "local": 30.0, "docker": 300.0}
@@ -68,20 +76,40 @@ GROUP = "root:x:0:\nagent:x:1000:\nnogroup:x:65534:\n"
 SHELL_ENV = {"LANG": "C.UTF-8", "TZ": "UTC", "TIME_STYLE": "+"}
 
 
+def encode(command: str) -> bytes:
+    """A command's bytes for bash: UTF-8, with lone surrogates (which no decoder makes, but an agent's text may
+    hold) passed through as bytes rather than raising."""
+    return command.encode("utf-8", errors="surrogatepass")
+
+
 def host_uid() -> int:
     """The host uid a sandbox runs as: this process's, or `SANDBOX_UID` when that is root."""
     return SANDBOX_UID if os.geteuid() == 0 else os.geteuid()
 
 
 def hand_over(folder: Path) -> None:
-    """Make `folder` (and everything in it, links not followed) the sandbox user's, so it can write there."""
+    """Make `folder` (and everything in it, links not followed) the sandbox user's, so it can write there.
+
+    coreutils walks a tree of any depth; Python's `os.walk` recurses, and a tree an agent made 1,500 folders
+    deep raised `RecursionError` when the validators' sandbox took its /app over."""
     uid = host_uid()
     if uid == os.geteuid():
         return
-    for root, dirs, files in os.walk(folder):
-        for name in [*dirs, *files]:
-            os.chown(os.path.join(root, name), uid, uid, follow_symlinks=False)
-    os.chown(folder, uid, uid)
+    done = subprocess.run(["chown", "-R", "-h", "-P", f"{uid}:{uid}", "--", str(folder)], capture_output=True, text=True)
+    if done.returncode:
+        log.warning("sandbox: chown of %s to uid %d: %s", folder, uid, done.stderr.strip()[:300])
+
+
+def remove_tree(path: Path) -> None:
+    """Delete `path` and whatever a sandbox left in it: a tree of any depth, folders it took the permissions of
+    (on a host that is not root), links (removed, never followed). A failure is logged, never raised: the next
+    episode starts in a folder of its own."""
+    if not os.path.lexists(path):
+        return
+    subprocess.run(["chmod", "-R", "u+rwX", "--", str(path)], capture_output=True)  # chmod -R ignores links
+    done = subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], capture_output=True, text=True)
+    if os.path.lexists(path):
+        log.warning("sandbox: %s could not be removed: %s", path, done.stderr.strip()[:300])
 
 
 def read_regular(path: Path, limit: int = 16 << 20) -> bytes:
@@ -135,12 +163,13 @@ class Result:
 
 def clip(raw: bytes, budget: int, omitted: int = 0, tail: bytes = b"") -> str:
     """Output as the agent reads it: the first and last budget/2 bytes of `raw` (then `omitted` bytes never
-    kept, then `tail`) with a note of how many were left out, ANSI escapes stripped, undecodable bytes replaced."""
+    kept, then `tail`) with a note of how many were left out, undecodable bytes replaced, control functions
+    (`CONTROLS`) removed."""
     total, raw = len(raw) + omitted + len(tail), raw + tail
     if total > budget:
         half = budget // 2
         raw = raw[:half] + f"\n[... output limited to {budget} bytes; {total - 2 * half} interior bytes omitted ...]\n".encode() + raw[-half:]
-    return ANSI.sub(b"", raw).decode("utf-8", errors="replace")
+    return CONTROLS.sub("", raw.decode("utf-8", errors="replace"))
 
 
 def available(backend: str, image: str | None = "") -> str | None:
@@ -347,7 +376,7 @@ class Session:
         return result
 
     def _exchange(self, command: str, timeout: float, restart: bool = True) -> Result:
-        encoded = base64.b64encode(command.encode()).decode()
+        encoded = base64.b64encode(encode(command)).decode()
         line = f"eval \"$(printf %s {encoded} | base64 -d)\" </dev/null; printf '\\n{self.marker.decode()}%d\\n' $?\n"
         capture = _Capture(self.output_bytes, self.marker)
         try:

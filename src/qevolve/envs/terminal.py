@@ -49,9 +49,12 @@ import time
 import tomllib
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from qevolve.envs.base import Observation, Step, Task, check_types
-from qevolve.envs.sandbox import Limits, SandboxError, Session, available, read_regular
+from qevolve.envs.sandbox import Limits, SandboxError, Session, available, encode, read_regular, remove_tree
 from qevolve.envs.task_images import ensure, export_workdir, image_tag, workdir
 
 SUBMIT = "submit"
@@ -63,6 +66,55 @@ class TaskError(ValueError):
     """A task folder that does not hold what the layout needs."""
 
 
+Seconds = Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False, strict=True)]
+Amount = Annotated[float, Field(ge=0, le=2**20, allow_inf_nan=False, strict=True)]
+
+
+EXPECTED = {"agent.timeout_sec": "a finite number of seconds, 0 < s <= 86400", "verifier.timeout_sec": "a finite number of seconds, 0 < s <= 86400",
+            **{f"environment.{k}": "a finite number >= 0 (0 or absent: the config's)" for k in ("cpus", "memory_mb", "storage_mb")},
+            "environment.allow_internet": "true or false", "metadata.category": "a non-empty string",
+            "qevolve.validators": "a list of file names in tests/ (name.py, no folder)"}
+"""What each checked key of `task.toml` must hold, for the error that names it."""
+
+
+class _Table(BaseModel):
+    model_config = ConfigDict(extra="allow")  # Harbor's other keys (version, author, difficulty, ...) are read by no one
+
+
+class _Metadata(_Table):
+    category: Annotated[str, Field(min_length=1, strict=True)] = "general"
+
+
+class _Agent(_Table):
+    timeout_sec: Seconds = 360.0
+
+
+class _Verifier(_Table):
+    timeout_sec: Seconds = 60.0
+
+
+class _Environment(_Table):
+    cpus: Amount = 0
+    memory_mb: Amount = 0
+    storage_mb: Amount = 0
+    allow_internet: StrictBool = False
+
+
+class _Qevolve(_Table):
+    validators: list[Annotated[str, Field(pattern=r"^[\w.-]+\.py$", strict=True)]] = []
+
+
+class TaskToml(_Table):
+    """The schema of `task.toml` (every table and key optional): numbers finite and in range, 0 or absent
+    meaning the config's for the `[environment]` amounts."""
+
+    metadata: _Metadata = _Metadata()
+    agent: _Agent = _Agent()
+    verifier: _Verifier = _Verifier()
+    environment: _Environment = _Environment()
+    qevolve: _Qevolve = _Qevolve()
+
+
 def read_task(folder: Path) -> dict:
     """The task's settings from `task.toml` (an error naming the file and field when malformed)."""
     folder = Path(folder)
@@ -71,29 +123,19 @@ def read_task(folder: Path) -> dict:
             raise TaskError(f"{folder / need}: missing; a terminal task needs instruction.md, tests/ and task.toml")
     path = folder / "task.toml"
     try:
-        meta = tomllib.loads(path.read_text())
+        meta = TaskToml.model_validate(tomllib.loads(path.read_text()))
     except FileNotFoundError:
         raise TaskError(f"{path}: missing; a terminal task needs instruction.md, tests/ and task.toml") from None
     except tomllib.TOMLDecodeError as err:
         raise TaskError(f"{path}: not valid TOML: {err}") from None
-    env = meta.get("environment", {})
-    out = {"category": meta.get("metadata", {}).get("category", "general"),
-           "agent_timeout": meta.get("agent", {}).get("timeout_sec", 360.0), "verifier_timeout": meta.get("verifier", {}).get("timeout_sec", 60.0),
-           "cpus": env.get("cpus", 0), "memory_mb": env.get("memory_mb", 0), "storage_mb": env.get("storage_mb", 0),
-           "allow_internet": env.get("allow_internet", False)}
-    for key, field in (("agent_timeout", "agent.timeout_sec"), ("verifier_timeout", "verifier.timeout_sec")):
-        if not isinstance(out[key], (int, float)) or isinstance(out[key], bool) or out[key] <= 0:
-            raise TaskError(f"{path}: {field} must be a positive number of seconds, got {out[key]!r}")
-    for key in ("cpus", "memory_mb", "storage_mb"):
-        if not isinstance(out[key], (int, float)) or isinstance(out[key], bool) or out[key] < 0:
-            raise TaskError(f"{path}: environment.{key} must be a number >= 0 (0 or absent: the config's), got {out[key]!r}")
-    if not isinstance(out["allow_internet"], bool):
-        raise TaskError(f"{path}: environment.allow_internet must be true or false, got {out['allow_internet']!r}")
-    if not isinstance(out["category"], str) or not out["category"]:
-        raise TaskError(f"{path}: metadata.category must be a non-empty string, got {out['category']!r}")
-    out["validators"] = meta.get("qevolve", {}).get("validators", [])
-    if not isinstance(out["validators"], list) or not all(isinstance(f, str) and re.fullmatch(r"[\w.-]+\.py", f) for f in out["validators"]):
-        raise TaskError(f"{path}: qevolve.validators must be a list of file names in tests/ (name.py, no folder), got {out['validators']!r}")
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(part) for part in first["loc"] if isinstance(part, str))
+        raise TaskError(f"{path}: {field} must be {EXPECTED.get(field, 'a table')} ({first['msg'].lower()}), got {first.get('input')!r}") from None
+    env = meta.environment
+    out = {"category": meta.metadata.category, "agent_timeout": meta.agent.timeout_sec, "verifier_timeout": meta.verifier.timeout_sec,
+           "cpus": env.cpus, "memory_mb": env.memory_mb, "storage_mb": env.storage_mb, "allow_internet": env.allow_internet,
+           "validators": meta.qevolve.validators}
     missing = [f for f in out["validators"] if not (folder / "tests" / f).is_file()]
     if missing:
         raise TaskError(f"{path}: qevolve.validators names {missing[0]}, which is not a file in {folder / 'tests'}")
@@ -143,8 +185,10 @@ def task_limits(meta: dict, cfg, validators: bool = False) -> Limits:
 
 
 def _parses(command: str) -> bool:
-    """bash reads `command` alone without an error or a warning (an unterminated heredoc only warns)."""
-    done = subprocess.run(["bash", "-n", "-c", command], capture_output=True)
+    """bash reads `command` alone without an error or a warning (an unterminated heredoc only warns). The command
+    goes to bash on its stdin, never as an argument: any bytes (NUL) and any length (past the kernel's 128 KiB
+    for one argument)."""
+    done = subprocess.run(["bash", "-n"], input=encode(command), capture_output=True)
     return done.returncode == 0 and not done.stderr
 
 
@@ -323,7 +367,7 @@ class TerminalEnv:
             self.session.close()
             self.session = None
         if self.episode_dir is not None:
-            shutil.rmtree(self.episode_dir.parent, ignore_errors=True)
+            remove_tree(self.episode_dir.parent)
             self.episode_dir = None
 
 
