@@ -198,6 +198,32 @@ def test_a_fork_bomb_is_contained_and_loses(task_root):
     assert time.monotonic() - start < 90
 
 
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_after_a_fork_bomb_the_next_step_answers(tmp_path):
+    """A bomb left forking in the background fills the sandbox's process cap; the next step finds it there, kills
+    every process but the shell, and answers: 10 tries of 10 (before, the shell was starved in about half)."""
+    from qevolve.envs.sandbox import Limits, Session
+
+    for trial in range(10):
+        session = Session("bwrap", tmp_path, Limits(processes=64))
+        try:
+            if not any((g / "pids.max").exists() for g in session.cgroups):
+                pytest.skip("no pids cgroup this process may make: the cap is `ulimit -u`, shared by the uid's processes")
+            session.run(":(){ :|:& };:", timeout=3)
+            started = time.monotonic()
+            answer = session.run("echo still here", timeout=5)
+            assert "still here" in answer.output and answer.status == 0 and not answer.timed_out, (trial, answer)
+            assert time.monotonic() - started < 5
+        finally:
+            session.close()
+    session = Session("bwrap", tmp_path, Limits(processes=64))  # background jobs that hold still are the agent's to keep
+    try:
+        session.run("sleep 60 & sleep 60 &", timeout=5)
+        assert session.run("jobs -r | wc -l", timeout=5).output.strip() == "2"
+    finally:
+        session.close()
+
+
 def test_whatever_breaks_validation_loses_instead_of_dropping_the_episode(task_root):
     last, _, info = play(task_root, ["ln -s /nonexistent tests && chmod 000 /app"])  # the host once copied the tests to /app/tests
     assert_lost(last, info)

@@ -58,6 +58,8 @@ CONTROLS = re.compile(
     "|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]"  # the other C0 controls (tab, newline and carriage return stay), DEL, C1
 )
 """ECMA-48's control functions in decoded text: what a terminal would act on rather than show."""
+IDLE_PIDS = 4
+"""Processes of an idle bwrap sandbox in its pids cgroup (bwrap, its init, the shell) and one to spare."""
 GRACE_S = 2.0
 """How long a killed command's shell gets to print its sentinel before the sandbox is restarted."""
 START_S = {"bwrap": 30.0, "local": 30.0, "docker": 300.0}
@@ -365,15 +367,91 @@ class Session:
         raise SandboxError(f"env.terminal.sandbox: no bash found under bwrap (pid {self.proc.pid})")
 
     def run(self, command: str, timeout: float = 30.0) -> Result:
-        """Run one command; its output and exit status. A dead shell is started again first."""
+        """Run one command; its output and exit status. A dead shell is started again first; a sandbox at its
+        process cap (a fork bomb left running in the background) has every process but its shell killed first,
+        and the output says so."""
         restarted = False
         if self.proc is None or self.proc.poll() is not None:
             self._stop()
             self._start()
             restarted = True
+        reaped = self._reap_runaway()
+        while reaped and not self.chunks.empty():  # what the killed printed since the last command: not this one's output
+            self.chunks.get_nowait()
         result = self._exchange(command, timeout)
         result.restarted = result.restarted or restarted
+        if reaped:
+            result.output = (f"[the sandbox reached its cap of {self.limits.processes} processes: {reaped} of them, all but the shell, "
+                             "were killed]\n" + result.output)
         return result
+
+    def _pids_group(self) -> Path | None:
+        """The cgroup whose `pids.max` caps this sandbox (cgroup v1's pids hierarchy, or v2's unified group)."""
+        return next((g for g in self.cgroups if (g / "pids.max").exists()), None)
+
+    def _reap_runaway(self) -> int:
+        """Before a command: a sandbox at its process cap (within 2) has everything but its shell killed; how many
+        processes that was. Where more than the shell runs and the count still grows (a fork bomb left by the step
+        before, slowed by a busy host), it gets up to a second to settle or reach the cap. Only at the cap: a
+        background job that holds still is never touched."""
+        group = self._pids_group()
+        if group is None or self.shell_pid is None:
+            return 0
+
+        def count() -> int:
+            try:
+                return int((group / "pids.current").read_text())
+            except (OSError, ValueError):
+                return 0
+
+        cap, now = self.limits.processes, count()
+        for _ in range(10):
+            if now >= cap - 2:
+                return self._kill_all_but_shell()
+            if now <= IDLE_PIDS:
+                return 0
+            time.sleep(0.1)
+            now, before = count(), now
+            if now <= before:
+                return 0
+        return 0
+
+    def _kill_all_but_shell(self) -> int:
+        """Kill every process of the sandbox but its shell (and the bwrap processes above it): with a pids cgroup,
+        every member of it, orphans of killed parents included, pass after pass until none is left (a fork
+        bomb refills freed slots); else the shell's descendants. How many were killed."""
+        group = self._pids_group()
+        if group is None:
+            victims = _descendants(self.shell_pid) if self.shell_pid else []
+            for pid in victims:
+                _kill(pid)
+            return len(victims)
+        keep = {self.shell_pid, *_ancestors(self.shell_pid, self.proc.pid)}
+        killed: set[int] = set()
+
+        def members() -> set[int]:
+            try:
+                return {int(p) for p in (group / "cgroup.procs").read_text().split()} - keep
+            except OSError:
+                return set()
+
+        for _ in range(400):  # until a read after the count settled finds no one: a fork bomb refills freed slots
+            victims = members()
+            if not victims:
+                for _ in range(50):  # the killed leave the count as they are reaped: the shell's next forks need the room
+                    try:
+                        if int((group / "pids.current").read_text()) <= len(keep) + 1:
+                            break
+                    except (OSError, ValueError):
+                        break
+                    time.sleep(0.02)
+                if not members():
+                    break
+                continue
+            for pid in victims:
+                _kill(pid)
+            killed |= victims
+        return len(killed)
 
     def _exchange(self, command: str, timeout: float, restart: bool = True) -> Result:
         encoded = base64.b64encode(encode(command)).decode()
@@ -418,11 +496,7 @@ class Session:
         if self.backend == "docker":  # from inside: kill(-1) spares PID 1, the shell, and the caller
             subprocess.run(["docker", "exec", self.container, "bash", "-c", "kill -9 -1"], capture_output=True, timeout=30)
             return
-        for pid in _descendants(self.shell_pid) if self.shell_pid else []:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self._kill_all_but_shell()
 
     def close(self) -> None:
         """End the sandbox and everything in it."""
@@ -467,6 +541,25 @@ def _children(pid: int) -> list[int]:
             out += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
             pass
+    return out
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _ancestors(pid: int, top: int) -> list[int]:
+    """The processes above `pid`, up to and including `top` (or to init)."""
+    out = []
+    while pid not in (top, 0, 1):
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        out.append(pid)
     return out
 
 
