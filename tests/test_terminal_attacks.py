@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -228,3 +229,27 @@ def test_whatever_breaks_validation_loses_instead_of_dropping_the_episode(task_r
     last, _, info = play(task_root, ["ln -s /nonexistent tests && chmod 000 /app"])  # the host once copied the tests to /app/tests
     assert_lost(last, info)
     assert "validation_error" in info or info["tests"] == {} or info["tests_passed"] == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the disk cap is a tmpfs qevolve mounts, which needs root")
+@pytest.mark.parametrize("sandbox", ["bwrap", "local"])
+def test_an_episode_cannot_fill_the_hosts_disk(tmp_path, sandbox):
+    """5 GB written in /app, at once and in 250 MB files, fails inside the sandbox at `disk_mb`; the host's disk does
+    not move; the cap goes with the episode."""
+    if sandbox == "bwrap" and shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    (tmp_path / "tasks" / "train" / "t" / "tests").mkdir(parents=True)
+    (tmp_path / "tasks" / "train" / "t" / "instruction.md").write_text("Do nothing.\n")
+    (tmp_path / "tasks" / "train" / "t" / "task.toml").write_text('[metadata]\ncategory = "x"\n')
+    env = TerminalEnv(str(tmp_path / "tasks"), TerminalConfig(sandbox=sandbox, disk_mb=64, file_mb=4096), max_steps=5)
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    try:
+        env.reset(env.tasks("train")[0])
+        app = env.episode_dir
+        assert os.path.ismount(app)
+        big = env.step("fallocate -l 5G big; echo $?; for i in $(seq 20); do head -c 250M /dev/zero > f$i || break; done; du -sm . | cut -f1")
+        assert "No space left on device" in big.observation and int(big.observation.split("\n")[-2]) <= 64
+        assert abs(shutil.disk_usage(tempfile.gettempdir()).free - free) < 32 << 20  # the host's disk did not move
+    finally:
+        env.close()
+    assert not app.exists() and not os.path.ismount(app)

@@ -94,7 +94,12 @@ class TerminalConfig(Section):
     """CPUs a sandbox may use at once (0: no cap); a task's `[environment] cpus` is given up to this."""
     processes: int = Field(128, gt=0)
     file_mb: int = Field(256, gt=0)
-    """Largest file a command may write; a task's `[environment] storage_mb` lowers it (its total is not capped)."""
+    """Largest file a command may write; a task's `[environment] storage_mb` lowers it."""
+    disk_mb: int = Field(512, ge=0)
+    """What an episode's /app may hold in all: where qevolve runs as root it is a tmpfs of this size mounted on the
+    host's episode folder (`qevolve.envs.sandbox.cap_folder`), so a write past it fails inside the sandbox and
+    the host's disk never sees it (the pages count against the sandbox's memory). 0, or a host that is not root:
+    no cap but `file_mb` per file."""
     tmp_mb: int = Field(64, gt=0)
     allow_internet: bool = False
     """Give a task that asks for the network (`[environment] allow_internet = true`) the host's. Off, no sandbox has

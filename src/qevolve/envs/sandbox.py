@@ -102,6 +102,35 @@ def hand_over(folder: Path) -> None:
         log.warning("sandbox: chown of %s to uid %d: %s", folder, uid, done.stderr.strip()[:300])
 
 
+_told: dict[str, bool] = {}
+
+
+def cap_folder(folder: Path, mb: int) -> bool:
+    """Mount a tmpfs of `mb` MiB on `folder` (empty; root only): what a sandbox writes under it stops at that size,
+    held in memory rather than on the host's disk. False, with a warning, where it cannot be (not root, or
+    the mount refused); `release_folder` undoes it."""
+    if not mb:
+        return False
+    if os.geteuid() != 0:
+        if not _told.get("root"):
+            _told["root"] = True
+            log.warning("sandbox: not root: an episode's /app gets no disk cap (env.terminal.disk_mb), only file_mb per file")
+        return False
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mb}m,mode=0755,nosuid,nodev", "qevolve-app", str(folder)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        log.warning("sandbox: no disk cap for %s: mount refused: %s", folder, done.stderr.strip()[:300])
+        return False
+    return True
+
+
+def release_folder(folder: Path) -> None:
+    """Unmount `cap_folder`'s tmpfs (lazily: a process still holding a file there does not keep it mounted)."""
+    done = subprocess.run(["umount", "--lazy", str(folder)], capture_output=True, text=True)
+    if done.returncode:
+        log.warning("sandbox: %s could not be unmounted: %s", folder, done.stderr.strip()[:300])
+
+
 def remove_tree(path: Path) -> None:
     """Delete `path` and whatever a sandbox left in it: a tree of any depth, folders it took the permissions of
     (on a host that is not root), links (removed, never followed). A failure is logged, never raised: the next

@@ -54,7 +54,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from qevolve.envs.base import Observation, Step, Task, check_types
-from qevolve.envs.sandbox import Limits, SandboxError, Session, available, encode, read_regular, remove_tree
+from qevolve.envs.sandbox import Limits, SandboxError, Session, available, cap_folder, encode, read_regular, release_folder, remove_tree
 from qevolve.envs.task_images import ensure, export_workdir, image_tag, workdir
 
 SUBMIT = "submit"
@@ -232,12 +232,18 @@ class TerminalEnv:
         # /tmp (whose link count any other process changes)
         self.episode_dir = Path(tempfile.mkdtemp(prefix="qevolve-terminal-")) / "app"
         self.episode_dir.mkdir()
+        self.capped = cap_folder(self.episode_dir, self.cfg.disk_mb)
         env_dir = self.folder / "environment"
-        if self.image:  # what the image holds in its working directory
-            shutil.copytree(self._images[self.folder][2].name, self.episode_dir, dirs_exist_ok=True, symlinks=True)
-        elif env_dir.is_dir():
-            # links are copied as links: they resolve inside the sandbox, never to a host file's content
-            shutil.copytree(env_dir, self.episode_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("setup.sh"), symlinks=True)
+        try:
+            if self.image:  # what the image holds in its working directory
+                shutil.copytree(self._images[self.folder][2].name, self.episode_dir, dirs_exist_ok=True, symlinks=True)
+            elif env_dir.is_dir():
+                # links are copied as links: they resolve inside the sandbox, never to a host file's content
+                shutil.copytree(env_dir, self.episode_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("setup.sh"), symlinks=True)
+        except OSError as err:  # shutil.Error too: it gathers each file's
+            if self.capped and "No space left on device" in str(err):
+                raise TaskError(f"{self.folder}: its files do not fit in env.terminal.disk_mb = {self.cfg.disk_mb} MiB") from None
+            raise
         self.session = self._sandbox()
         cfg = self.cfg
         setup = env_dir / "setup.sh"
@@ -367,6 +373,8 @@ class TerminalEnv:
             self.session.close()
             self.session = None
         if self.episode_dir is not None:
+            if self.capped:
+                release_folder(self.episode_dir)
             remove_tree(self.episode_dir.parent)
             self.episode_dir = None
 
