@@ -107,12 +107,13 @@ def test_micro_batches_by_token_budget_as_counted_by_hand():
 
 
 def test_a_token_budget_and_compiled_layers_change_how_the_update_is_computed_not_what_it_is(tiny_base):
-    """Micro-batches by token budget, activation checkpointing and `train.compile` give the same curve and adapter as the defaults, and the
+    """Micro-batches by token budget, activation checkpointing and `train.compile` (alone and together) give the same curve and adapter as the defaults, and the
     curve's tokens and seconds give the speed; with a peak, the MFU at 4 FLOPs per parameter per token. (No dropout:
     its draws follow the micro-batches.)"""
     want_curve, want_params, _ = _run(tiny_base, dropout=0.0)  # micro-batches of one window
     assert want_curve[-1]["loss"] < want_curve[0]["loss"]
-    for run in (TrainRunConfig(micro_batch_tokens=400), TrainRunConfig(checkpoint_activations=True), TrainRunConfig(compile=True)):
+    for run in (TrainRunConfig(micro_batch_tokens=400), TrainRunConfig(checkpoint_activations=True), TrainRunConfig(compile=True),
+                TrainRunConfig(compile=True, checkpoint_activations=True)):  # compiled layers inside checkpoints, on a peft model
         torch._dynamo.reset()
         curve, params, _ = _run(tiny_base, run=run, dropout=0.0)  # two windows of about 190 tokens fit in 400
         assert [c["tokens"] for c in curve] == [c["tokens"] for c in want_curve]
