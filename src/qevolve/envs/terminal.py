@@ -40,7 +40,6 @@ Residual risk: tests that import the agent's code run it in the validators' proc
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import shutil
 import subprocess
