@@ -260,7 +260,7 @@ def training(device: torch.device, shape: str, peak_tflops: float) -> dict:
             times.append(time.perf_counter() - start)
     step = sorted(times)[len(times) // 2]
     tokens_s = batch * seq / step
-    out = {"shape": shape, "parameters": params, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+    out = {"shape": shape, "per_token_parameters": params, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
            "train_tokens_s": round(tokens_s), "train_step_s": round(step, 4),
            "train_mfu_4n": round(4 * params * tokens_s / (peak_tflops * 1e12), 3) if peak_tflops else None}
     if device.type == "cuda":
@@ -332,7 +332,9 @@ def generation(device: torch.device, shape: str) -> dict:
                         busy = sum(e.device_time_total for e in events if e.device_type.name == "CUDA") / 1e6
                         row["gpu_busy_share"] = round(busy / wall, 3)
                 for key, label in (("launches", "launches_per_decode_step"), ("graph", "cuda_graph_launches_per_step"), ("kernel", "cuda_kernel_launches_per_step")):
-                    row[label] = round((row.pop(f"{key}_16") - row.pop(f"{key}_1")) / 15, 1)
+                    per_step = round((row.pop(f"{key}_16") - row.pop(f"{key}_1")) / 15, 1)
+                    if key == "launches" or device.type == "cuda":  # a CPU makes no CUDA runtime call to count
+                        row[label] = per_step
             except Exception as err:  # noqa: BLE001 - one engine's failure is reported, the others still run
                 row["error"] = f"{type(err).__name__}: {str(err)[:500]}"
             out[f"{name}_{slots}"] = row
