@@ -164,12 +164,10 @@ def experiment_workspace(profile: str = "", iterations: int | None = None, overr
 
     from flows.workspace import prepare, set_dotted
     from qevolve.config import parse_params
+    from qevolve.profiles import find, resolve
 
-    source = inside(ROOT / "profiles", f"{profile}.yaml", "profile") if profile else ROOT / "params.yaml"
-    if not source.exists():
-        known = sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml"))
-        raise SystemExit(f"profile {profile!r}: no {source}; expected one of {known}")
-    raw = yaml.safe_load(source.read_text())
+    source = find(ROOT, profile) if profile else ROOT / "params.yaml"
+    raw = resolve(source)
     changes = {**(overrides or {}), **({"evolve.iterations": iterations} if iterations is not None else {})}
     for key, value in changes.items():
         set_dotted(raw, key, value)

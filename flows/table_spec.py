@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from flows.workspace import ROOT, get_dotted, set_dotted, spent_env_steps, steps_file
 from qevolve.config import ConfigError, parse_params
+from qevolve.profiles import resolve
 from qevolve.recipe import load_recipe
 
 SEED_KEYS = {"bc.seed": 1, "collect.seed": 100, "policy.seed": 1}
@@ -157,7 +158,7 @@ def budget(spec: Spec, name: str, out: Path, given: int | None) -> int | None:
 def workspace_params(spec: Spec, name: str, seed: int, env_steps: int | None) -> dict:
     """The base profile with the workspace's changes, the seed's offsets and the matched env steps;
     validated, so a bad key fails before anything runs."""
-    params = yaml.safe_load((ROOT / spec.base).read_text())
+    params = resolve(ROOT / spec.base)
     ws = spec.workspaces[name]
     for key, value in {**spec.set, **ws.set}.items():
         set_dotted(params, key, value)

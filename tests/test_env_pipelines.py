@@ -12,6 +12,7 @@ from qevolve import paths
 from qevolve.config import ENVIRONMENTS, load_params, parse_params
 from qevolve.data.store import read_store
 from qevolve.envs.webshop_data import write_synthetic
+from qevolve.profiles import resolve
 from qevolve.stages import pipeline, run_stage
 
 TINY_MODEL = {"embedded": {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab_size": 400},
@@ -21,11 +22,11 @@ TINY_MODEL = {"embedded": {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2,
 def test_every_profile_validates_and_the_alfworld_profile_is_params_yaml():
     for name in ENVIRONMENTS:
         assert load_params(REPO / "profiles" / f"{name}.yaml").env.name == name
-    assert (REPO / "profiles" / "alfworld.yaml").read_text() == (REPO / "params.yaml").read_text()
+    assert resolve(REPO / "profiles" / "alfworld.yaml") == yaml.safe_load((REPO / "params.yaml").read_text())
 
 
 def _tiny(profile: str, tmp_path) -> dict:
-    raw = yaml.safe_load((REPO / "profiles" / f"{profile}.yaml").read_text())
+    raw = resolve(REPO / "profiles" / f"{profile}.yaml")
     expert = next(iter(raw["experts"]["demos"]))
     raw["env"].update(max_steps=4)
     raw["experts"].update(demos={expert: 6})

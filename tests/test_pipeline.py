@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from conftest import REPO
+from qevolve.profiles import resolve
 
 DVC = str(Path(sys.executable).with_name("dvc"))  # the venv's dvc, whether or not the venv is activated
 
@@ -306,22 +307,26 @@ def test_a_profile_runs_in_its_own_workspace_and_leaves_the_checkout_alone(tmp_p
     import flows.evolve
 
     shutil.copytree(REPO / "profiles", tmp_path / "profiles")
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
     monkeypatch.setattr(flows.evolve, "ROOT", tmp_path)
     root = flows.evolve.experiment_workspace("webshop")
     assert root == tmp_path / "runs" / "webshop"
-    assert yaml.safe_load((root / "params.yaml").read_text()) == yaml.safe_load((REPO / "profiles" / "webshop.yaml").read_text())
+    # The workspace records the profile resolved over params.yaml: every key, so DVC's lineage sees each value.
+    written = yaml.safe_load((root / "params.yaml").read_text())
+    assert written == resolve(REPO / "profiles" / "webshop.yaml") and written["env"]["name"] == "webshop"
+    assert written["model"] == yaml.safe_load((REPO / "params.yaml").read_text())["model"]
     assert (root / ".dvc").is_dir() and (root / "src" / "qevolve" / "cli.py").exists()
     assert (root / "data" / "webshop-synthetic" / "items_human_ins.json").exists()
-    assert not (tmp_path / "params.yaml").exists()  # nothing written outside runs/webshop
-    with pytest.raises(SystemExit, match="no .*nosuch.yaml; expected one of"):
+    assert (tmp_path / "params.yaml").read_bytes() == (REPO / "params.yaml").read_bytes()  # nothing written outside runs/
+    from qevolve.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"no .*nosuch.yaml; expected one of \['alfworld', "):
         flows.evolve.experiment_workspace("nosuch")
     # From the Prefect UI's form: a profile, iterations and overrides, validated, in a workspace named by them.
     tuned = flows.evolve.experiment_workspace("textcraft", 2, {"bc.lr": 0.0005})
     assert tuned.parent == tmp_path / "runs" and tuned.name.startswith("textcraft-")
     params = yaml.safe_load((tuned / "params.yaml").read_text())
     assert params["bc"]["lr"] == 0.0005 and params["evolve"]["iterations"] == 2
-    from qevolve.config import ConfigError
-
     with pytest.raises(ConfigError, match=r"bc.lr: Input should be greater than 0"):
         flows.evolve.experiment_workspace("textcraft", None, {"bc.lr": -1})
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(["webshop", tuned.name])  # nothing written for the bad one
@@ -333,6 +338,7 @@ def test_a_workspace_or_profile_name_cannot_leave_its_folder(tmp_path, monkeypat
     from qevolve.errors import BadName
 
     shutil.copytree(REPO / "profiles", tmp_path / "profiles")
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "keep.py").write_text("x = 1\n")
     (tmp_path / "runs").mkdir()

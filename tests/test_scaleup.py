@@ -120,7 +120,9 @@ def test_the_gpu_study_profile_runs_at_a_tiny_size_on_the_cpu(tmp_path, monkeypa
     from qevolve.config import parse_params
     from qevolve.stages import pipeline, run_stage
 
-    raw = yaml.safe_load((REPO / "profiles" / "study-gpu.yaml").read_text())
+    from qevolve.profiles import resolve
+
+    raw = resolve(REPO / "profiles" / "study-gpu.yaml")
     assert raw["model"]["base"] == "smollm2" and raw["policy"]["action_mode"] == "free" and not raw["env"]["task_types"]
     assert raw["collect"]["num_tasks"] * raw["collect"]["samples_per_task"] >= 2000 and raw["evolve"]["iterations"] == 2
     raw["env"].update(max_steps=3, processes=False)

@@ -1,5 +1,5 @@
-"""Command line: `qevolve run STAGE` (what dvc.yaml calls), `qevolve dvc-yaml`, `qevolve summary`, `qevolve data`,
-`qevolve webshop-data`, `qevolve terminal-import`."""
+"""Command line: `qevolve run STAGE` (what dvc.yaml calls), `qevolve dvc-yaml`, `qevolve summary`, `qevolve profile`,
+`qevolve data`, `qevolve webshop-data`, `qevolve terminal-import`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     summary.add_argument("--params", type=Path, default=Path("params.yaml"))
     gen = sub.add_parser("dvc-yaml", help="write dvc.yaml for params.yaml (after changing evolve.iterations)")
     gen.add_argument("--params", type=Path, default=Path("params.yaml"))
+    prof = sub.add_parser("profile", help="print a profile resolved over params.yaml: the parameters its workspace records")
+    prof.add_argument("name", help="profiles/NAME.yaml (`ls profiles/`)")
+    prof.add_argument("--root", type=Path, default=Path("."), help="the checkout whose profiles/ and params.yaml it reads")
     sub.add_parser("data", help="prepare ALFWorld's data folder (ALFWORLD_DATA) and print it")
     shop = sub.add_parser("webshop-data", help="write a small synthetic WebShop catalogue and goals (official schema)")
     shop.add_argument("folder", type=Path)
@@ -83,6 +86,16 @@ def _command(args) -> int:
         counts = import_tasks(args.src, args.dest, args.split, terminal, gate=not args.no_gate, build=base)
         print(f"{args.dest / args.split}: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
               + f" (each task's reason and oracle in {REPORT}; a validator-only task gives no expert demonstration)")
+        return 0
+
+    if args.command == "profile":
+        from qevolve.config import parse_params
+        from qevolve.profiles import find, render, resolve
+
+        path = find(args.root, args.name)
+        raw = resolve(path)
+        parse_params(raw, path)  # a profile that does not validate says so, naming its keys
+        print(render(raw), end="")
         return 0
 
     if args.command == "data":

@@ -26,7 +26,7 @@ from qevolve.errors import UserError
 class ConfigError(UserError, ValueError):
     """A params file that does not validate; the message names the file and each bad key."""
 
-    hint = "fix the keys named above; src/qevolve/config.py and each method's config.py (src/qevolve/methods/) document every key, and profiles/ holds a valid file per environment"
+    hint = "fix the keys named above; src/qevolve/config.py and each method's config.py (src/qevolve/methods/) document every key, and profiles/ holds each environment's changes to params.yaml"
 
 
 _paths: dict[int, str] | None = None
@@ -125,7 +125,7 @@ class TextCraftConfig(Section):
 
 class EnvConfig(Section):
     name: Literal[tuple(ENVIRONMENTS)] = "alfworld"  # type: ignore[valid-type]
-    """Environment adapter (`qevolve.environments` lists them; `profiles/` holds a ready params file for each)."""
+    """Environment adapter (`qevolve.environments` lists them; `profiles/` holds a profile for each)."""
     task_types: list[str] = Field(default_factory=list)
     """Restrict tasks to these types (ALFWorld: `pick_and_place_simple`, ...; ScienceWorld: task names;
     TextCraft: `depth2`..; WebShop: product category); empty = all."""
@@ -598,7 +598,8 @@ def parse_params(raw: dict, source: Path | str = "<params>") -> Params:
         raise ConfigError(_format_errors(source, err)) from None
 
 
-def load_params(path: Path | str = "params.yaml") -> Params:
+def read_yaml(path: Path | str, empty_ok: bool = False) -> dict:
+    """A params file's mapping, unvalidated (a key given twice, bad YAML or no mapping: a `ConfigError` naming the file)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: params file not found")
@@ -608,8 +609,15 @@ def load_params(path: Path | str = "params.yaml") -> Params:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
-    if raw is None:
-        raise ConfigError(f"{path}: the file is empty; expected a mapping of sections (copy one from profiles/ to start)")
-    if not isinstance(raw, dict):
+    if raw is None and not empty_ok:
+        raise ConfigError(f"{path}: the file is empty; expected a mapping of sections (copy params.yaml to start)")
+    if not isinstance(raw, dict | None):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    return parse_params(raw, path)
+    return raw or {}
+
+
+def load_params(path: Path | str = "params.yaml") -> Params:
+    """A params file validated: params.yaml, or a profile over it (`qevolve.profiles`)."""
+    from qevolve.profiles import resolve
+
+    return parse_params(resolve(path), path)
