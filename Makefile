@@ -28,7 +28,7 @@ endif
 # profiles/$(PROFILE).yaml in runs/$(PROFILE)/.
 PROFILE ?=
 
-.PHONY: setup lock quickstart test test-slow test-all
+.PHONY: setup lock quickstart test test-slow test-all lint format
 setup:
 	./scripts/setup.sh
 
@@ -54,3 +54,12 @@ test-slow: setup
 
 test-all: setup
 	PYTHONPATH=. .venv/bin/python -m pytest
+
+# Ruff's formatter and linter (pyproject.toml's [tool.ruff]): `make lint` checks, as CI does; `make format` rewrites.
+lint: setup
+	.venv/bin/ruff format --check .
+	.venv/bin/ruff check .
+
+format: setup
+	.venv/bin/ruff format .
+	.venv/bin/ruff check --fix .

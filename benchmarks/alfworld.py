@@ -1,10 +1,11 @@
 """ALFWorld's own speed: resets and steps without and with qevolve's kept translations and shallow copies.
 
-The same games are played three times in one process, each time by the same mix of expert and random
-actions (the handcoded expert, seeded per game): `translate` translates every game's PDDL once per reset
-(in memory only) and deep-copies text-generation contexts, as TextWorld does; `kept translations` reads
-each game's translation from the disk cache (`QEVOLVE_SAS_CACHE`, filled by a first pass that is not
-timed), as every stage after the first does; `+ shallow copies` adds the shallow context copies. Every run must see the same observations and admissible commands; exit 1 if not.
+The same games are played three times in one process, each time by the same mix of expert and random actions (the
+handcoded expert, seeded per game): `translate` translates every game's PDDL once per reset (in memory only) and
+deep-copies text-generation contexts, as TextWorld does; `kept translations` reads each game's translation from the disk
+cache (`QEVOLVE_SAS_CACHE`, filled by a first pass that is not timed), as every stage after the first does; `+ shallow
+copies` adds the shallow context copies. Every run must see the same observations and admissible commands; exit 1 if
+not.
 
     python -m benchmarks.alfworld [--games 24] [--split valid_unseen] [--steps 10]
 """
@@ -78,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'run':<18} {'seconds':>8} {'speed-up':>9} {'reset ms':>9} {'step ms':>8} {'steps':>6}  same")
     base = rows[0][1]
     for name, seconds, resets, steps, digest in rows:
-        print(f"{name:<18} {seconds:8.1f} {base / seconds:8.2f}x {statistics.median(resets) * 1000:9.0f} "
-              f"{statistics.median(steps) * 1000:8.1f} {len(steps):6d}  {digest == rows[0][4]}")
+        print(
+            f"{name:<18} {seconds:8.1f} {base / seconds:8.2f}x {statistics.median(resets) * 1000:9.0f} "
+            f"{statistics.median(steps) * 1000:8.1f} {len(steps):6d}  {digest == rows[0][4]}"
+        )
     print("\n(median reset and step times)")
     return 0 if all(r[4] == rows[0][4] for r in rows) else 1
 

@@ -35,16 +35,18 @@ def expert_trajectories(env_name: str, split: str, games: int, max_steps: int = 
     cfg = EnvConfig(name=env_name, task_types=QUICKSTART_TYPES[env_name], processes=False)
     env = make_env(cfg, expert=EXPERT[env_name])
     try:
-        return [t for t in (demonstrate(env, task, max_steps) for task in select_tasks(env, split, cfg, games, 0)) if t.won]
+        return [
+            t for t in (demonstrate(env, task, max_steps) for task in select_tasks(env, split, cfg, games, 0)) if t.won
+        ]
     finally:
         env.close()
 
 
 def per_step_tokens(trajs: list, env_name: str, tok) -> dict[str, list[list[tuple[int, int]]]]:
     """design -> per trajectory -> per step (prompt tokens, output tokens), every call at that step summed."""
+    from qevolve.environments import ENVIRONMENTS
     from qevolve.hierarchy.annotators import rule_labels
     from qevolve.hierarchy.roles import RolePrompts, low_output, transitions
-    from qevolve.environments import ENVIRONMENTS
     from qevolve.models.prompt import PromptBuilder, format_action
 
     flat = PromptBuilder(tok, 10**9, repeat_task=True, intro=ENVIRONMENTS[env_name].intro)
@@ -60,7 +62,12 @@ def per_step_tokens(trajs: list, env_name: str, tok) -> dict[str, list[list[tupl
     for t in trajs:
         obs = [s.observation for s in t.steps]
         acts = [format_action(s.action) for s in t.steps]
-        out["flat"].append([(len(flat.prompt(t.instruction, obs[: i + 1], acts[:i])), len(flat.action_ids(acts[i]))) for i in range(len(obs))])
+        out["flat"].append(
+            [
+                (len(flat.prompt(t.instruction, obs[: i + 1], acts[:i])), len(flat.action_ids(acts[i])))
+                for i in range(len(obs))
+            ]
+        )
         labels = rule_labels(env_name, t)
         sets = transitions(t, labels, RolePrompts(env_name))
         high = {h.step: h for h in sets["high"]}
@@ -74,9 +81,21 @@ def per_step_tokens(trajs: list, env_name: str, tok) -> dict[str, list[list[tupl
             # GLIDER-style: the high level reads the whole history; the low level its subtask's turns
             start = max(k for k in high if k <= i)
             history = "\n".join(f"{obs[j]}\n{acts[j]}" for j in range(i)) + f"\n{obs[i]}"
-            hp = single(f"Task: {t.instruction}\nSubtasks so far: {[labels[k].subtask for k in high if k <= i]}\n{history}") if i in high else 0
+            hp = (
+                single(
+                    f"Task: {t.instruction}\nSubtasks so far: {[labels[k].subtask for k in high if k <= i]}\n{history}"
+                )
+                if i in high
+                else 0
+            )
             lp = len(chat.prompt(f"{t.instruction} Subtask: {labels[i].subtask}", obs[start : i + 1], acts[start:i]))
-            glider.append((hp + lp, (n(high[i].output_text) if i in high else 0) + len(chat.action_ids(low_output(t.steps[i].action, labels[i].ends)))))
+            glider.append(
+                (
+                    hp + lp,
+                    (n(high[i].output_text) if i in high else 0)
+                    + len(chat.action_ids(low_output(t.steps[i].action, labels[i].ends))),
+                )
+            )
         out["step-hrl"].append(steps)
         out["hrl"].append(glider)
     return out
@@ -116,23 +135,47 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--env", choices=sorted(EXPERT), default="alfworld")
     ap.add_argument("--split", default="valid_seen")
-    ap.add_argument("--games", type=int, default=0, help="games drawn from the split (0 = all; ALFWorld: the quickstart's two types)")
-    ap.add_argument("--tokenizer", default="smollm2", help="a `model.base` value, or a base folder written by the `base` stage")
+    ap.add_argument(
+        "--games",
+        type=int,
+        default=0,
+        help="games drawn from the split (0 = all; ALFWorld: the quickstart's two types)",
+    )
+    ap.add_argument(
+        "--tokenizer", default="smollm2", help="a `model.base` value, or a base folder written by the `base` stage"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "bounded_context.json")
     args = ap.parse_args(argv)
     tok = load_tokenizer_of(args.tokenizer)
     trajs = expert_trajectories(args.env, args.split, args.games)
     results = {design: summarise(s) for design, s in per_step_tokens(trajs, args.env, tok).items()}
     steps = [len(t.steps) for t in trajs]
-    print(f"{args.env} {args.split}: {len(trajs)} expert episodes, {statistics.fmean(steps):.1f} steps on average (max {max(steps)}), "
-          f"tokenizer {args.tokenizer}")
+    print(
+        f"{args.env} {args.split}: {len(trajs)} expert episodes, {statistics.fmean(steps):.1f} steps on average "
+        f"(max {max(steps)}), "
+        f"tokenizer {args.tokenizer}"
+    )
     print("| design | tokens/episode (mean) | p90 | prompt slope (tokens/step) | prompt CV |\n|---|---|---|---|---|")
     for design, r in results.items():
-        print(f"| {design} | {r['tokens_per_episode_mean']:,.0f} | {r['tokens_per_episode_p90']:,} | {r['prompt_slope_per_step']:.1f} | "
-              f"{r['prompt_cv']:.2f} |")
+        print(
+            f"| {design} | {r['tokens_per_episode_mean']:,.0f} | {r['tokens_per_episode_p90']:,} | "
+            f"{r['prompt_slope_per_step']:.1f} | "
+            f"{r['prompt_cv']:.2f} |"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"env": args.env, "split": args.split, "tokenizer": args.tokenizer, "episodes": len(trajs),
-                                    "designs": results}, indent=1) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "env": args.env,
+                "split": args.split,
+                "tokenizer": args.tokenizer,
+                "episodes": len(trajs),
+                "designs": results,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     import matplotlib
 
     matplotlib.use("Agg")

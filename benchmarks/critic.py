@@ -20,13 +20,14 @@ from pathlib import Path
 import torch
 
 from benchmarks import workspace_params
-
 from qevolve.models.critic import CriticItem, read_positions
 from qevolve.models.device import pad_ids
 
 
 @torch.no_grad()
-def per_step_values(critic, items: list[CriticItem], pad_id: int, batch_size: int) -> dict[int, dict[int, tuple[float, float]]]:
+def per_step_values(
+    critic, items: list[CriticItem], pad_id: int, batch_size: int
+) -> dict[int, dict[int, tuple[float, float]]]:
     """The baseline: each step's prefix (up to its action, or its observation for a final state) in its
     own sequence; same output layout as `critic_values`."""
     critic.eval()
@@ -54,17 +55,18 @@ def max_difference(a: dict, b: dict) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workspace", type=Path, default=Path("runs/quickstart"), help="holds params.yaml, models/base and models/bc")
+    ap.add_argument(
+        "--workspace", type=Path, default=Path("runs/quickstart"), help="holds params.yaml, models/base and models/bc"
+    )
     ap.add_argument("--episodes", type=int, default=8)
     ap.add_argument("--max-steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3, help="timings are the median of this many runs")
     args = ap.parse_args(argv)
 
     from qevolve.envs import make_env, select_tasks
-    from qevolve.models.critic import load_critic
+    from qevolve.models.critic import critic_items, critic_values, load_critic
     from qevolve.models.policy import Actor
     from qevolve.models.prompt import make_builder
-    from qevolve.models.critic import critic_items, critic_values
     from qevolve.rollout import play
 
     ws = args.workspace
@@ -74,9 +76,19 @@ def main(argv: list[str] | None = None) -> int:
     for head in (critic.v, critic.q):  # random heads, so that equal values mean something
         torch.nn.init.normal_(head.weight, std=0.1)
     builder = make_builder(params, tok, ws / "models/bc")
-    actor = Actor(critic.lm, tok, builder, params.policy.action_mode, params.policy.temperature, params.policy.max_new_tokens)
+    actor = Actor(
+        critic.lm, tok, builder, params.policy.action_mode, params.policy.temperature, params.policy.max_new_tokens
+    )
     tasks = select_tasks(make_env(params.env), "train", params.env, args.episodes, 0)
-    trajs = play(lambda: make_env(params.env), tasks, actor, max_steps=args.max_steps, greedy=False, source="bench", batch_size=args.episodes)
+    trajs = play(
+        lambda: make_env(params.env),
+        tasks,
+        actor,
+        max_steps=args.max_steps,
+        greedy=False,
+        source="bench",
+        batch_size=args.episodes,
+    )
     items = critic_items(builder, trajs, weighted=True)
     batch = params.critic.micro_batch_size
 
@@ -91,8 +103,11 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 diff = max_difference(fast, values)
     steps = sum(len(t.steps) for t in trajs)
-    print(f"\n{len(trajs)} sampled train episodes, {steps} steps ({steps / len(trajs):.1f} per episode), "
-          f"{len(items)} windows of <= {params.model.context_tokens} tokens, micro-batch {batch}; median of {args.repeats}\n")
+    print(
+        f"\n{len(trajs)} sampled train episodes, {steps} steps ({steps / len(trajs):.1f} per episode), "
+        f"{len(items)} windows of <= {params.model.context_tokens} tokens, micro-batch {batch}; median of "
+        f"{args.repeats}\n"
+    )
     print(f"{'encoding':<22}{'seconds':>9}{'traj/s':>9}{'speed-up':>10}")
     slow = statistics.median(times["one pass per step"])
     for name, ts in times.items():

@@ -14,17 +14,22 @@ from pathlib import Path
 import torch
 
 from qevolve.config import BCConfig, ModelConfig, TrainRunConfig
+from qevolve.models.device import is_main
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PromptBuilder
 from qevolve.stages.bc import bc_step
 from qevolve.training import full_state, loading_config, process_group, shard, train
-from qevolve.models.device import is_main
 
 # 3 micro-batches per optimiser step: under 2 processes, rank 0 runs two of them and rank 1 one.
 CFG = BCConfig(epochs=2, lr=5e-3, batch_size=3, micro_batch_size=1, warmup_ratio=0.2, checkpoint_every=1)
-TASKS = [("put some book on sidetable.", "Action: take book 1 from desk 1"), ("examine the pen.", "Action: go to desk 1"),
-         ("put a cd in shelf.", "Action: open cabinet 1"), ("find a key.", "Action: look"), ("cool an apple.", "Action: go to shelf 2"),
-         ("heat a mug.", "Action: go to desk 1")]
+TASKS = [
+    ("put some book on sidetable.", "Action: take book 1 from desk 1"),
+    ("examine the pen.", "Action: go to desk 1"),
+    ("put a cd in shelf.", "Action: open cabinet 1"),
+    ("find a key.", "Action: look"),
+    ("cool an apple.", "Action: go to shelf 2"),
+    ("heat a mug.", "Action: go to desk 1"),
+]
 
 
 def main() -> None:
@@ -34,7 +39,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--shard", action="store_true", help="shard the model across the processes (FSDP2)")
     ap.add_argument("--checkpoint", type=Path, help="the in-training checkpoint (resumed from when it exists)")
-    ap.add_argument("--stop-after", type=int, default=0, help="exit with status 3 after this many optimiser steps (a killed run)")
+    ap.add_argument(
+        "--stop-after", type=int, default=0, help="exit with status 3 after this many optimiser steps (a killed run)"
+    )
     args = ap.parse_args()
     run = TrainRunConfig(shard=args.shard)
     with process_group(args.device):
@@ -43,7 +50,11 @@ def main() -> None:
         model, tok = load_policy(args.base, loading_config(cfg, run))
         model = shard(model, run, args.device)
         builder = PromptBuilder(tok, 512)
-        examples = [ex for task, act in TASKS for ex in builder.training_examples(task, ["You are in the middle of a room."], [act])]
+        examples = [
+            ex
+            for task, act in TASKS
+            for ex in builder.training_examples(task, ["You are in the middle of a room."], [act])
+        ]
         done = []
 
         def stop() -> None:
@@ -51,8 +62,16 @@ def main() -> None:
             if len(done) == args.stop_after:
                 sys.exit(3)
 
-        curve = train(model, examples, CFG, lambda e: len(e[0]), lambda micro: bc_step(model, micro, tok.pad_token_id), "ddp-train",
-                      after_step=stop, checkpoint=args.checkpoint)
+        curve = train(
+            model,
+            examples,
+            CFG,
+            lambda e: len(e[0]),
+            lambda micro: bc_step(model, micro, tok.pad_token_id),
+            "ddp-train",
+            after_step=stop,
+            checkpoint=args.checkpoint,
+        )
         state = full_state(model)
         if is_main():
             trained = state or {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}

@@ -24,9 +24,30 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SHAPES = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=512),
-    "quickstart": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=768, vocab_size=1024),
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864, vocab_size=151936),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+    ),
+    "quickstart": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=768,
+        vocab_size=1024,
+    ),
+    "0.5b": dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+    ),
 }
 
 
@@ -53,15 +74,19 @@ def engines(model, compile_options):
     from qevolve.models.backend import HFBackend
     from qevolve.models.engine import SlotEngine
 
-    out = {"hf, re-encode": lambda: HFBackend(model, 0, reuse=False), "hf, reuse": lambda: HFBackend(model, 0, reuse=True),
-           "slot engine": lambda: SlotEngine(model, 0)}
+    out = {
+        "hf, re-encode": lambda: HFBackend(model, 0, reuse=False),
+        "hf, reuse": lambda: HFBackend(model, 0, reuse=True),
+        "slot engine": lambda: SlotEngine(model, 0),
+    }
     if compile_options is not None:
         out["slot engine, compiled"] = lambda: SlotEngine(model, 0, compile=compile_options)
     return out
 
 
 def conversation(vocab: int, slots: int, turns: int, seed: int = 0) -> list[list[list[int]]]:
-    """Per turn, one prompt per slot: a 200-token start, then each turn adds 16 tokens of answer and 40 of observation."""
+    """Per turn, one prompt per slot: a 200-token start, then each turn adds 16 tokens of answer and 40 of
+    observation."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, vocab, (200,), generator=g).tolist() for _ in range(slots)]
     out = []
@@ -71,7 +96,9 @@ def conversation(vocab: int, slots: int, turns: int, seed: int = 0) -> list[list
     return out
 
 
-def play(backend, turns: list[list[list[int]]], new: int, count_turns: tuple[int, ...] = ()) -> tuple[list, dict[int, int], float, int]:
+def play(
+    backend, turns: list[list[list[int]]], new: int, count_turns: tuple[int, ...] = ()
+) -> tuple[list, dict[int, int], float, int]:
     """Greedy turns; (tokens per turn, operators of the turns in `count_turns`, seconds, new tokens)."""
     tokens, ops, made = [], {}, 0
     start = time.perf_counter()
@@ -79,10 +106,14 @@ def play(backend, turns: list[list[list[int]]], new: int, count_turns: tuple[int
         slots = list(range(len(prompts)))
         if t in count_turns:
             with Count() as c:
-                got = backend.generate(slots, prompts, max_new_tokens=new, stop=lambda _: False, greedy=True, temperature=1.0)
+                got = backend.generate(
+                    slots, prompts, max_new_tokens=new, stop=lambda _: False, greedy=True, temperature=1.0
+                )
             ops[t] = c.n
         else:
-            got = backend.generate(slots, prompts, max_new_tokens=new, stop=lambda _: False, greedy=True, temperature=1.0)
+            got = backend.generate(
+                slots, prompts, max_new_tokens=new, stop=lambda _: False, greedy=True, temperature=1.0
+            )
         tokens.append([x for x, _ in got])
         made += sum(len(x) for x, _ in got)
     if torch.cuda.is_available():
@@ -113,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             # operators: a turn of `new` tokens and one of 1 token (no decode step) differ by `new - 1` steps
             counted = {}
             for new in (args.new, 1):
-                _, counted[new], _, _ = play(make(), turns, new, count_turns=(0, late) if "compiled" not in name else ())
+                _, counted[new], _, _ = play(
+                    make(), turns, new, count_turns=(0, late) if "compiled" not in name else ()
+                )
             times = []
             for _ in range(args.repeats):
                 backend = make()
@@ -122,23 +155,47 @@ def main(argv: list[str] | None = None) -> int:
             reference = reference or tokens
             same &= tokens == reference
             step = {t: (counted[args.new][t] - counted[1][t]) / (args.new - 1) for t in counted[1]}
-            rows.append({"slots": slots, "engine": name, "ops_step_first": step.get(0), "ops_step_late": step.get(late),
-                         "ops_turn_late": counted[args.new].get(late), "tok_s": made / statistics.median(times),
-                         "encoded": backend.encoded_tokens, "same": tokens == reference})
-    print(f"\n{args.shape} shape (random weights, {next(model.parameters()).dtype}) on {device}; {args.turns} turns of {args.new} greedy "
-          f"tokens per slot after 200-token prompts growing by 56 a turn; median of {args.repeats}\n")
-    print(f"{'slots':>5}  {'engine':<22}{'ops/step t1':>12}{f'ops/step t{late + 1}':>12}{f'ops/turn t{late + 1}':>13}{'tok/s':>9}"
-          f"{'encoded tok':>13}{'same tokens':>13}")
+            rows.append(
+                {
+                    "slots": slots,
+                    "engine": name,
+                    "ops_step_first": step.get(0),
+                    "ops_step_late": step.get(late),
+                    "ops_turn_late": counted[args.new].get(late),
+                    "tok_s": made / statistics.median(times),
+                    "encoded": backend.encoded_tokens,
+                    "same": tokens == reference,
+                }
+            )
+    print(
+        f"\n{args.shape} shape (random weights, {next(model.parameters()).dtype}) on {device}; {args.turns} turns "
+        f"of {args.new} greedy "
+        f"tokens per slot after 200-token prompts growing by 56 a turn; median of {args.repeats}\n"
+    )
+    print(
+        f"{'slots':>5}  "
+        f"{'engine':<22}{'ops/step t1':>12}{f'ops/step t{late + 1}':>12}{f'ops/turn t{late + 1}':>13}{'tok/s':>9}"
+        f"{'encoded tok':>13}{'same tokens':>13}"
+    )
     fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     for r in rows:
-        print(f"{r['slots']:>5}  {r['engine']:<22}{fmt(r['ops_step_first']):>12}{fmt(r['ops_step_late']):>12}{fmt(r['ops_turn_late']):>13}"
-              f"{r['tok_s']:>9.0f}{r['encoded']:>13}{str(r['same']):>13}")
+        print(
+            f"{r['slots']:>5}  "
+            f"{r['engine']:<22}{fmt(r['ops_step_first']):>12}{fmt(r['ops_step_late']):>12}{fmt(r['ops_turn_late']):>13}"
+            f"{r['tok_s']:>9.0f}{r['encoded']:>13}{str(r['same']):>13}"
+        )
     if compile_options is not None:
         from torch._dynamo.utils import counters
 
-        print(f"\ncompiled step: {counters['stats']['unique_graphs']} graph(s) traced for all slots, turns and runs above "
-              "(each new SlotEngine's buffers are new tensors: one trace per engine, none per step or turn)")
-    print("\nops/step: aten operators dispatched per decode step (first turn, last turn); ops/turn: a whole turn's, prefill included")
+        print(
+            f"\ncompiled step: {counters['stats']['unique_graphs']} graph(s) traced for all slots, turns and runs "
+            f"above "
+            "(each new SlotEngine's buffers are new tensors: one trace per engine, none per step or turn)"
+        )
+    print(
+        "\nops/step: aten operators dispatched per decode step (first turn, last turn); ops/turn: a whole turn's, "
+        "prefill included"
+    )
     return 0 if same else 1
 
 

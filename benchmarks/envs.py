@@ -94,25 +94,39 @@ def main(argv: list[str] | None = None) -> int:
             one, two = run(cfg, tasks, warmup, 1), run(cfg, tasks, warmup, 2)
             steps = sum(len(t.steps) for t in one["trajs"])
             won = [t for t in one["trajs"] if t.won]
-            rows.append({
-                "env": name, "tasks": len(tasks), "success": len(won) / len(tasks),
-                "steps": statistics.mean(len(t.steps) for t in won) if won else 0.0,
-                "sps1": steps / one["wall"], "sps2": sum(len(t.steps) for t in two["trajs"]) / two["wall"],
-                "reset_ms": 1000 * statistics.median(one["resets"]), "memory_mb": max(one["memory_mb"], two["memory_mb"]),
-                "same": [len(t.steps) for t in one["trajs"]] == [len(t.steps) for t in two["trajs"]],
-            })
+            rows.append(
+                {
+                    "env": name,
+                    "tasks": len(tasks),
+                    "success": len(won) / len(tasks),
+                    "steps": statistics.mean(len(t.steps) for t in won) if won else 0.0,
+                    "sps1": steps / one["wall"],
+                    "sps2": sum(len(t.steps) for t in two["trajs"]) / two["wall"],
+                    "reset_ms": 1000 * statistics.median(one["resets"]),
+                    "memory_mb": max(one["memory_mb"], two["memory_mb"]),
+                    "same": [len(t.steps) for t in one["trajs"]] == [len(t.steps) for t in two["trajs"]],
+                }
+            )
 
     print(f"\n{args.tasks} train tasks per environment, each environment's expert, worker processes\n")
-    print(f"{'env':<14}{'expert success':>15}{'expert steps':>14}{'steps/s 1 worker':>18}{'steps/s 2 workers':>19}"
-          f"{'ratio':>7}{'reset ms':>10}{'peak MB/worker':>16}{'same':>6}")
+    print(
+        f"{'env':<14}{'expert success':>15}{'expert steps':>14}{'steps/s 1 worker':>18}{'steps/s 2 workers':>19}"
+        f"{'ratio':>7}{'reset ms':>10}{'peak MB/worker':>16}{'same':>6}"
+    )
     for r in rows:
-        print(f"{r['env']:<14}{r['success']:>15.1%}{r['steps']:>14.1f}{r['sps1']:>18.1f}{r['sps2']:>19.1f}"
-              f"{r['sps2'] / r['sps1']:>6.2f}x{r['reset_ms']:>10.0f}{r['memory_mb']:>16.0f}{str(r['same']):>6}")
-    print("\nexpert success: won episodes of the expert; expert steps: mean steps of won episodes; steps/s: expert steps per"
-          " wall-clock second, resets included; reset ms: median reset; peak MB/worker: peak resident memory of a worker"
-          " process and its children (the JVM); same: both runs took the same number of steps on every task; exit 1 if an"
-          " expert wins under 80% of its tasks.")
-    # ScienceWorld's gold agent is not deterministic across JVMs (docs/environments.md), so `same` is shown, not enforced
+        print(
+            f"{r['env']:<14}{r['success']:>15.1%}{r['steps']:>14.1f}{r['sps1']:>18.1f}{r['sps2']:>19.1f}"
+            f"{r['sps2'] / r['sps1']:>6.2f}x{r['reset_ms']:>10.0f}{r['memory_mb']:>16.0f}{str(r['same']):>6}"
+        )
+    print(
+        "\nexpert success: won episodes of the expert; expert steps: mean steps of won episodes; steps/s: expert "
+        "steps per"
+        " wall-clock second, resets included; reset ms: median reset; peak MB/worker: peak resident memory of a worker"
+        " process and its children (the JVM); same: both runs took the same number of steps on every task; exit 1 if an"
+        " expert wins under 80% of its tasks."
+    )
+    # ScienceWorld's gold agent is not deterministic across JVMs (docs/environments.md), so `same` is shown, not
+    # enforced
     return 0 if all(r["success"] >= 0.8 for r in rows) else 1
 
 

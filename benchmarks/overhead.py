@@ -35,12 +35,18 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"{ws / 'models/bc'}: missing; run `make quickstart` first (or pass --workspace)")
     scratch = Path(tempfile.mkdtemp(prefix="qevolve-overhead-"))
     copy = scratch / ws.name
-    shutil.copytree(ws, copy, symlinks=True, ignore=lambda d, names: [n for n in names if n in SKIP or ITERATION_OUTPUT.match(n)])
+    shutil.copytree(
+        ws, copy, symlinks=True, ignore=lambda d, names: [n for n in names if n in SKIP or ITERATION_OUTPUT.match(n)]
+    )
     params = (copy / "params.yaml").read_text()
     (copy / "params.yaml").write_text(re.sub(r"(?m)^(\s+iterations:).*$", r"\1 1", params))
     print(f"running iteration 1 in {copy} ...", flush=True)
     repo = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-m", "flows.evolve", "--root", str(copy)], cwd=copy, env={**os.environ, "PYTHONPATH": str(repo)})
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.evolve", "--root", str(copy)],
+        cwd=copy,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
     timing_file = copy / "metrics" / "timing@1.json"
     if done.returncode or not timing_file.exists():
         sys.exit(f"the flow failed (exit {done.returncode}); scratch copy kept at {copy}")

@@ -49,8 +49,18 @@ def measure(sandbox: str, seeds: int) -> list[dict]:
             t = time.perf_counter()
             rejected += bool(gate(env, task))
             gated.append(time.perf_counter() - t)
-        rows.append({"sandbox": sandbox, "family": family, "start_ms": statistics.median(start), "command_ms": statistics.median(command),
-                     "validate_ms": statistics.median(validate), "gate_s": statistics.median(gated), "rejected": rejected, "tasks": seeds})
+        rows.append(
+            {
+                "sandbox": sandbox,
+                "family": family,
+                "start_ms": statistics.median(start),
+                "command_ms": statistics.median(command),
+                "validate_ms": statistics.median(validate),
+                "gate_s": statistics.median(gated),
+                "rejected": rejected,
+                "tasks": seeds,
+            }
+        )
     env.close()
     return rows
 
@@ -60,12 +70,18 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--sandboxes", nargs="+", default=["bwrap", "local"])
     args = ap.parse_args()
-    print("| sandbox | family | sandbox start (ms) | `ls -la` (ms) | validation (ms) | gate (s) | rejected by the gate |")
+    print(
+        "| sandbox | family | sandbox start (ms) | `ls -la` (ms) | validation (ms) | gate (s) | rejected by the gate |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|")
     for sandbox in args.sandboxes:
         for r in measure(sandbox, args.seeds):
-            print(f"| {r['sandbox']} | {r['family']} | {r['start_ms']:.0f} | {r['command_ms']:.1f} | {r['validate_ms']:.0f} | {r['gate_s']:.2f} | "
-                  f"{r['rejected']}/{r['tasks']} |", flush=True)
+            print(
+                f"| {r['sandbox']} | {r['family']} | {r['start_ms']:.0f} | {r['command_ms']:.1f} | "
+                f"{r['validate_ms']:.0f} | {r['gate_s']:.2f} | "
+                f"{r['rejected']}/{r['tasks']} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 task by the first thing that stopped it.
 
     python -m benchmarks.terminal_import FOLDER [--sample 200] [--seed 0] [--sandbox bwrap] [--out FILE.json]
-    python -m benchmarks.terminal_import FOLDER --sample 12 --build [--base '*=qevolve-base:bookworm'] [--build-network host] [--keep DEST [--keep-images]]
+    python -m benchmarks.terminal_import FOLDER --sample 12 --build [--base '*=qevolve-base:bookworm']
+        [--build-network host] [--keep DEST [--keep-images]]
 
 FOLDER holds task folders (Harbor / Terminal-Bench 2, or Terminal-Bench 1). The sample is stratified by
 difficulty, the `_easy` / `_medium` / `_hard` ending of a folder's name where it has one (TermiGen's names
@@ -66,14 +67,22 @@ def stratified(names: list[str], n: int, seed: int) -> list[str]:
 
 
 BUILD_CAUSES = (
-    (r"Unable to locate package|has no installation candidate|Package .* is not available", "apt: a package the base's Debian lacks"),
+    (
+        r"Unable to locate package|has no installation candidate|Package .* is not available",
+        "apt: a package the base's Debian lacks",
+    ),
     (r"externally-managed-environment", "pip: the base's Python is externally managed"),
     (r"No matching distribution|Could not find a version", "pip: no matching distribution"),
     (r"pip3?: (command )?not found|No module named pip", "pip: not in the base"),
     (r"did not end in", "the build timed out"),
-    (r"Temporary failure resolving|Could not resolve|Network is unreachable|Name or service not known", "network: a download failed"),
-    (r"^docker build exited with status 4: .*\bwget\b|^docker build exited with status [67]: .*\bcurl\b",
-     "network: wget or curl could not reach its host (here only the package indexes answer)"),
+    (
+        r"Temporary failure resolving|Could not resolve|Network is unreachable|Name or service not known",
+        "network: a download failed",
+    ),
+    (
+        r"^docker build exited with status 4: .*\bwget\b|^docker build exited with status [67]: .*\bcurl\b",
+        "network: wget or curl could not reach its host (here only the package indexes answer)",
+    ),
     (r"COPY failed|failed to compute cache key|not found: not found", "COPY: a file missing from the context"),
     (r"failed to solve|error from sender", "the builder"),
 )
@@ -81,7 +90,10 @@ BUILD_CAUSES = (
 
 
 def build_cause(reason: str) -> str:
-    return next((label for pattern, label in BUILD_CAUSES if re.search(pattern, reason)), "other (the task's own build step failed)")
+    return next(
+        (label for pattern, label in BUILD_CAUSES if re.search(pattern, reason)),
+        "other (the task's own build step failed)",
+    )
 
 
 def cause(reason: str) -> str:
@@ -105,13 +117,19 @@ def needs(dockerfile: Path) -> set[str]:
         elif word in ("COPY", "ADD") and not shlex.split(rest)[-1].startswith(APP):
             out.add("COPY outside /app")
         elif word == "RUN":
-            out |= {f"RUN {p}" for p in _programs(shlex.join(json.loads(rest)) if rest.startswith("[") else rest) if p in FETCHING}
+            out |= {
+                f"RUN {p}"
+                for p in _programs(shlex.join(json.loads(rest)) if rest.startswith("[") else rest)
+                if p in FETCHING
+            }
     return out
 
 
 def dockerfile(task: Path) -> Path:
     """A task folder's Dockerfile: Harbor's `environment/Dockerfile`, else Terminal-Bench 1's at its top."""
-    return task / "environment" / "Dockerfile" if (task / "environment" / "Dockerfile").is_file() else task / "Dockerfile"
+    return (
+        task / "environment" / "Dockerfile" if (task / "environment" / "Dockerfile").is_file() else task / "Dockerfile"
+    )
 
 
 def funnel(report: dict) -> list[tuple[str, str, int]]:
@@ -152,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
             done = resumed(args.out, sample)
             if done:
                 report, seconds = done["report"], done["build"]["seconds"]
-                print(f"{args.out}: {len(report)} of the {len(sample)} tasks done by an earlier run, going on", flush=True)
+                print(
+                    f"{args.out}: {len(report)} of the {len(sample)} tasks done by an earlier run, going on", flush=True
+                )
             previous = None
             for name in (n for n in sample if n not in report):  # one at a time: each split DEST/<task>/
                 shutil.copytree(args.folder / name, Path(tmp) / "src" / name / name, symlinks=True)
@@ -162,21 +182,35 @@ def main(argv: list[str] | None = None) -> int:
                 report |= json.loads((dest / name / REPORT).read_text())
                 image = report[name].get("image")
                 if image and present(image):
-                    size = subprocess.run(["docker", "image", "inspect", "--format", "{{.Size}}", image], capture_output=True, text=True).stdout.strip()
+                    size = subprocess.run(
+                        ["docker", "image", "inspect", "--format", "{{.Size}}", image], capture_output=True, text=True
+                    ).stdout.strip()
                     report[name]["image_mb"] = round(int(size) / 1e6) if size.isdigit() else None
-                    if not args.keep_images:  # the previous task's image goes once this one is built: the layers they share stay cached
+                    if (
+                        not args.keep_images
+                    ):  # the previous task's image goes once this one is built: the layers they share stay cached
                         remove(previous)
                         previous = image
                 built = f", image {report[name]['image_s']:.0f} s" if "image_s" in report[name] else ""
-                print(f"{name}: {report[name]['status']} in {seconds[name]:.0f} s{built} ({len(report)} of {len(sample)})", flush=True)
+                print(
+                    f"{name}: {report[name]['status']} in {seconds[name]:.0f} s{built} ({len(report)} of "
+                    f"{len(sample)})",
+                    flush=True,
+                )
                 if args.out:
                     write(args, names, sample, report, seconds)
             remove(previous)
             counts = Counter(r["status"] for r in report.values())
     strata, gated_in = Counter(stratum(n) for n in sample), "each task's image" if args.build else args.sandbox
-    oracles = sum((args.folder / n / "solution" / "solve.sh").is_file() or (args.folder / n / "solution.sh").is_file() for n in names)
-    print(f"{args.folder}: {len(sample)} of {len(names)} task folders ({', '.join(f'{k} {v}' for k, v in sorted(strata.items()))}), "
-          f"seed {args.seed}, gate in {gated_in}; {oracles} of the {len(names)} have an oracle\n")
+    oracles = sum(
+        (args.folder / n / "solution" / "solve.sh").is_file() or (args.folder / n / "solution.sh").is_file()
+        for n in names
+    )
+    print(
+        f"{args.folder}: {len(sample)} of {len(names)} task folders "
+        f"({', '.join(f'{k} {v}' for k, v in sorted(strata.items()))}), "
+        f"seed {args.seed}, gate in {gated_in}; {oracles} of the {len(names)} have an oracle\n"
+    )
     print(f"{'status':<34} {'tasks':>5}  first thing that stopped it")
     for status, why, n in funnel(report):
         print(f"{status:<34} {n:>5}  {why}")
@@ -184,9 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     if seconds:
         built = sorted(t for n, t in seconds.items() if report[n]["status"] != "build_failed")
         sizes = sorted(r["image_mb"] for r in report.values() if r.get("image_mb"))
-        print(f"import with the build and gate, per task: median {statistics.median(seconds.values()):.0f} s (min {min(seconds.values()):.0f}, "
-              f"max {max(seconds.values()):.0f})" + (f"; of the {len(built)} built, median {statistics.median(built):.0f} s" if built else "")
-              + (f"; image size median {statistics.median(sizes):.0f} MB" if sizes else ""))
+        print(
+            f"import with the build and gate, per task: median {statistics.median(seconds.values()):.0f} s (min "
+            f"{min(seconds.values()):.0f}, "
+            f"max {max(seconds.values()):.0f})"
+            + (f"; of the {len(built)} built, median {statistics.median(built):.0f} s" if built else "")
+            + (f"; image size median {statistics.median(sizes):.0f} MB" if sizes else "")
+        )
     needed = Counter(need for name in sample for need in needs(dockerfile(args.folder / name)))
     print(f"\n{'what the Dockerfiles need':<66} {'tasks':>5}")
     for need, n in sorted(needed.items(), key=lambda x: (-x[1], x[0])):
@@ -203,10 +241,19 @@ def remove(image: str | None) -> None:
 
 def write(args, names, sample, report, seconds, needed=None) -> None:
     """The `--out` file (atomically): the sample, each task's outcome, and with `--build` the times so far."""
-    write_json(args.out, {"folder": str(args.folder), "seed": args.seed, "sandbox": "docker, each task's image" if args.build else args.sandbox,
-                          "of": len(names),
-                          "sample": sample, "report": report, **({"needs": dict(needed)} if needed is not None else {}),
-                          **({"build": {"base": args.base, "network": args.build_network, "seconds": seconds}} if args.build else {})})
+    write_json(
+        args.out,
+        {
+            "folder": str(args.folder),
+            "seed": args.seed,
+            "sandbox": "docker, each task's image" if args.build else args.sandbox,
+            "of": len(names),
+            "sample": sample,
+            "report": report,
+            **({"needs": dict(needed)} if needed is not None else {}),
+            **({"build": {"base": args.base, "network": args.build_network, "seconds": seconds}} if args.build else {}),
+        },
+    )
 
 
 def resumed(out: Path | None, sample: list[str]) -> dict | None:

@@ -28,18 +28,22 @@ from benchmarks import workspace_params
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workspace", type=Path, default=Path("runs/quickstart"), help="holds params.yaml, models/base and data/experts")
+    ap.add_argument(
+        "--workspace",
+        type=Path,
+        default=Path("runs/quickstart"),
+        help="holds params.yaml, models/base and data/experts",
+    )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--micro-batch-size", type=int, default=4)
     args = ap.parse_args(argv)
 
-    from qevolve.data.store import read_store
-    from qevolve.models.policy import load_policy
-    from qevolve.models.prompt import PromptBuilder
-    from qevolve.models.prompt import build_examples
     from qevolve.algos.losses import token_logprobs
+    from qevolve.data.store import read_store
     from qevolve.models.base import target_logprobs
+    from qevolve.models.policy import load_policy
+    from qevolve.models.prompt import PromptBuilder, build_examples
     from qevolve.stages.bc import bc_step
 
     def full_logits(model, ids, mask, **inputs):  # the loss before target_logprobs: every position's logits
@@ -82,19 +86,28 @@ def main(argv: list[str] | None = None) -> int:
         for micro in steps:
             opt.zero_grad(set_to_none=True)
             if name == "max-length":  # trailing padding changes no earlier position of a causal model, nor the loss
-                micro = [[(ids + [tok.pad_token_id] * (width - len(ids)), m + [0] * (width - len(m))) for ids, m in mb] for mb in micro]
+                micro = [
+                    [(ids + [tok.pad_token_id] * (width - len(ids)), m + [0] * (width - len(m))) for ids, m in mb]
+                    for mb in micro
+                ]
             losses.append(bc_step(model, micro, tok.pad_token_id, pack_tokens)["loss"])
             opt.step()
         seconds = time.perf_counter() - start
         tokens = sum(len(ids) for micro in steps for mb in micro for ids, _ in mb)  # real tokens only
         results[name] = {"seconds": seconds, "tok_per_s": tokens / seconds, "first": losses[0], "last": losses[-1]}
 
-    print(f"\n{args.steps} BC optimiser steps of {args.batch_size} windows (micro-batches of {args.micro_batch_size}) from "
-          f"{len(examples)} expert windows of <= {params.model.context_tokens} tokens\n")
+    print(
+        f"\n{args.steps} BC optimiser steps of {args.batch_size} windows (micro-batches of "
+        f"{args.micro_batch_size}) from "
+        f"{len(examples)} expert windows of <= {params.model.context_tokens} tokens\n"
+    )
     print(f"{'batching':<12}{'seconds':>9}{'tok/s':>9}{'speed-up':>10}{'first loss':>12}{'last loss':>11}")
     for name, r in results.items():
-        print(f"{name:<12}{r['seconds']:>9.1f}{r['tok_per_s']:>9.0f}{r['tok_per_s'] / results['max-length']['tok_per_s']:>9.2f}x"
-              f"{r['first']:>12.5f}{r['last']:>11.4f}")
+        print(
+            f"{name:<12}{r['seconds']:>9.1f}{r['tok_per_s']:>9.0f}"
+            f"{r['tok_per_s'] / results['max-length']['tok_per_s']:>9.2f}x"
+            f"{r['first']:>12.5f}{r['last']:>11.4f}"
+        )
     same = max(abs(r["first"] - results["padded"]["first"]) for r in results.values())
     print("\nspeed-up: tokens/s against max-length padding")
     print(f"\nlargest difference of the first step's loss: {same:.1e}")

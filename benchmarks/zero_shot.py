@@ -18,23 +18,37 @@ from benchmarks import workspace_params
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workspace", type=Path, default=Path("runs/quickstart"), help="holds params.yaml and models/base")
-    ap.add_argument("--out", type=Path, default=None, help="metrics file to write (default: <workspace>/metrics/zero_shot.json)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="metrics file to write (default: <workspace>/metrics/zero_shot.json)"
+    )
     args = ap.parse_args(argv)
-    from qevolve.models.policy import Actor, load_policy
     from qevolve.environments import ENVIRONMENTS
+    from qevolve.models.policy import Actor, load_policy
     from qevolve.models.prompt import PromptBuilder
     from qevolve.rollout import play_splits
 
     ws = args.workspace.resolve()
     params = workspace_params(ws, needs=("models/base", "metrics/experts.json"))
     model, tok = load_policy(ws / "models/base", params.model)
-    builder = PromptBuilder(tok, params.model.context_tokens, "", params.prompt.repeat_task, params.prompt.max_observation_tokens, ENVIRONMENTS[params.env.name].intro)
-    actor = Actor(model.eval(), tok, builder, params.policy.action_mode, params.policy.temperature, params.policy.max_new_tokens)
+    builder = PromptBuilder(
+        tok,
+        params.model.context_tokens,
+        "",
+        params.prompt.repeat_task,
+        params.prompt.max_observation_tokens,
+        ENVIRONMENTS[params.env.name].intro,
+    )
+    actor = Actor(
+        model.eval(), tok, builder, params.policy.action_mode, params.policy.temperature, params.policy.max_new_tokens
+    )
     out = args.out or ws / "metrics" / "zero_shot.json"
     with tempfile.TemporaryDirectory() as episodes:
         metrics = play_splits(params, actor, Path(episodes), out, "zero-shot", ws / "metrics" / "experts.json")
     for split, m in metrics.items():
-        print(f"zero-shot {split:<13} success {m['success_rate']:.1%} of {m['episodes']} games, invalid {m['invalid_rate']:.1%}")
+        print(
+            f"zero-shot {split:<13} success {m['success_rate']:.1%} of {m['episodes']} games, invalid "
+            f"{m['invalid_rate']:.1%}"
+        )
     print(f"wrote {out}")
     return 0
 

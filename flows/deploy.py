@@ -16,6 +16,10 @@ from flows.evolve import evolve, experiment
 
 if __name__ == "__main__":
     serve(
-        experiment.to_deployment(name="qevolve-experiment", description="an evolution of a profile with overrides, in its own workspace"),
-        evolve.to_deployment(name="qevolve-evolve", description="experts -> base -> bc -> evaluate@0, then evolve.iterations iterations"),
+        experiment.to_deployment(
+            name="qevolve-experiment", description="an evolution of a profile with overrides, in its own workspace"
+        ),
+        evolve.to_deployment(
+            name="qevolve-evolve", description="experts -> base -> bc -> evaluate@0, then evolve.iterations iterations"
+        ),
     )

@@ -8,7 +8,7 @@ killed run resumes at the first unfinished stage. MLflow gets one parent run per
 run per iteration. Run it from the workspace root:
 
     python -m flows.evolve                            # this checkout's params.yaml, in this checkout
-    python -m flows.evolve --workspace quickstart     # params.yaml, in its own workspace runs/quickstart/ (`make quickstart`)
+    python -m flows.evolve --workspace quickstart     # params.yaml, in runs/quickstart/ (`make quickstart`)
     python -m flows.evolve --profile smollm2          # profiles/smollm2.yaml, in runs/smollm2/
 """
 
@@ -26,8 +26,16 @@ from typing import Any, Literal
 from prefect import flow
 
 from flows.provenance import machine, machine_line
-from flows.tracking import (ML_VIEW, log_evolution_views, log_iteration_views, log_stage, log_timing, runs_link, start_evolution,
-                            start_iteration)
+from flows.tracking import (
+    ML_VIEW,
+    log_evolution_views,
+    log_iteration_views,
+    log_stage,
+    log_timing,
+    runs_link,
+    start_evolution,
+    start_iteration,
+)
 from qevolve import dvcfile, paths
 from qevolve.config import load_params
 from qevolve.data.atomic import write_json
@@ -118,7 +126,9 @@ def _evolve(root: str) -> dict:
 
 
 @flow(name="experiment")
-def experiment(profile: Profile = "", iterations: int | None = None, overrides: dict[str, Any] | None = None, name: str = "") -> dict:
+def experiment(
+    profile: Profile = "", iterations: int | None = None, overrides: dict[str, Any] | None = None, name: str = ""
+) -> dict:
     """An evolution in a workspace of its own under runs/ (its own params.yaml, DVC lineage and MLflow store).
 
     Args:
@@ -140,8 +150,9 @@ def publish_table(iterations: int, run) -> None:
     link = f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}?{ML_VIEW}"
     create_markdown_artifact(
         key="evaluation",
-        markdown=f"# Evaluation\n\n```\n{summary_table(list(range(iterations + 1)))}\n```\n\nMLflow run `{run.info.run_id}` "
-                 f"(tracking store `{mlflow.get_tracking_uri()}`): [{link}]({link}) once `mlflow ui` serves that store.\n",
+        markdown=f"# Evaluation\n\n```\n{summary_table(list(range(iterations + 1)))}\n```\n\nMLflow run "
+        f"`{run.info.run_id}` "
+        f"(tracking store `{mlflow.get_tracking_uri()}`): [{link}]({link}) once `mlflow ui` serves that store.\n",
         description="BC and each iteration's success per split, with standard errors",
     )
 
@@ -151,7 +162,9 @@ def peak_rss_gb() -> float:
     return max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 2**20
 
 
-def experiment_workspace(profile: str = "", iterations: int | None = None, overrides: dict | None = None, name: str = "") -> Path:
+def experiment_workspace(
+    profile: str = "", iterations: int | None = None, overrides: dict | None = None, name: str = ""
+) -> Path:
     """`runs/<name>/`, a workspace of its own (the code copied, its own DVC repository and MLflow store)
     for `profiles/<profile>.yaml` (or this checkout's params.yaml) with `overrides` (dotted keys, as
     `dvc exp run -S` takes them) and `iterations`, so that a run leaves the checkout's params.yaml and
@@ -159,8 +172,6 @@ def experiment_workspace(profile: str = "", iterations: int | None = None, overr
     changes when there are any. The parameters are validated before anything is written. A synthetic
     WebShop catalogue is written there if they ask for one."""
     import hashlib
-
-    import yaml
 
     from flows.workspace import prepare, set_dotted
     from qevolve.config import parse_params
@@ -176,7 +187,11 @@ def experiment_workspace(profile: str = "", iterations: int | None = None, overr
     root = inside(ROOT / "runs", name or (profile or "params") + (f"-{digest}" if changes else ""), "workspace")
     prepare(root, raw)
     shop = params.env.data_dir
-    if params.env.name == "webshop" and shop == "data/webshop-synthetic" and not (root / shop / "items_human_ins.json").exists():
+    if (
+        params.env.name == "webshop"
+        and shop == "data/webshop-synthetic"
+        and not (root / shop / "items_human_ins.json").exists()
+    ):
         from qevolve.envs.webshop_data import write_synthetic
 
         write_synthetic(root / shop, 200, 0)
@@ -185,14 +200,23 @@ def experiment_workspace(profile: str = "", iterations: int | None = None, overr
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Run the evolution of a workspace as a Prefect flow.")
-    ap.add_argument("--profile", help="run profiles/NAME.yaml in its own workspace, runs/NAME/ (this checkout's files are left alone)")
-    ap.add_argument("--workspace", help="run in runs/NAME/, a workspace of its own (params.yaml's, or --profile's, parameters)")
+    ap.add_argument(
+        "--profile",
+        help="run profiles/NAME.yaml in its own workspace, runs/NAME/ (this checkout's files are left alone)",
+    )
+    ap.add_argument(
+        "--workspace", help="run in runs/NAME/, a workspace of its own (params.yaml's, or --profile's, parameters)"
+    )
     ap.add_argument("--root", type=Path, default=ROOT, help="an existing workspace to run in (default: this checkout)")
     ap.add_argument("--debug", action="store_true", help="show the traceback of a known error")
     args = ap.parse_args(argv)
     start = time.perf_counter()
     try:
-        root = experiment_workspace(args.profile or "", name=args.workspace or "") if args.profile or args.workspace else args.root.resolve()
+        root = (
+            experiment_workspace(args.profile or "", name=args.workspace or "")
+            if args.profile or args.workspace
+            else args.root.resolve()
+        )
         results = evolve(str(root))
     except UserError as err:  # bad parameters or data, a busy workspace: the message and a hint, no traceback
         if args.debug or debugging([]):
@@ -203,9 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(summary_table(list(range(params.evolve.iterations + 1))))
     print()
-    print(f"stages run: {', '.join(ran) or 'none (all up to date)'}; wall time {time.perf_counter() - start:.0f}s; "
-          f"peak RSS {peak_rss_gb():.2f} GB")
-    print(f"machine: {machine_line(machine())} (what reproduces where: README, \"What reproducible means\")")
+    print(
+        f"stages run: {', '.join(ran) or 'none (all up to date)'}; wall time {time.perf_counter() - start:.0f}s; "
+        f"peak RSS {peak_rss_gb():.2f} GB"
+    )
+    print(f'machine: {machine_line(machine())} (what reproduces where: README, "What reproducible means")')
     for k in range(1, params.evolve.iterations + 1):
         timing = root / paths.metrics(f"timing@{k}")
         if timing.exists() and any(name.endswith(f"@{k}") for name in ran):

@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def git_commit() -> str:
     """The checkout's commit, marked `-dirty` when tracked files differ from it."""
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     return head + ("-dirty" if dirty else "") if head else "unknown"
 
 
@@ -57,17 +59,30 @@ def machine() -> dict:
         pass
     flags = cpu.get("flags") or cpu.get("Features") or ""
     out = {
-        "platform": platform.platform(), "cpu_model": cpu.get("model name") or platform.processor() or platform.machine(),
+        "platform": platform.platform(),
+        "cpu_model": cpu.get("model name") or platform.processor() or platform.machine(),
         "cpu_simd": sorted(f for f in flags.split() if f.startswith(SIMD)),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "kernel_env": {k: os.environ[k] for k in KERNEL_ENV if k in os.environ},
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "kernel_env": {k: os.environ[k] for k in KERNEL_ENV if k in os.environ},
         "cpus": len(os.sched_getaffinity(0)),
-        "torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "torch": torch.__version__, "cuda": torch.version.cuda,
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else [],
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available()
+        else [],
     }
     if out["gpus"] and shutil.which("nvidia-smi"):
-        query = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
-        out["gpu_driver"] = query.stdout.strip().splitlines()[0] if query.returncode == 0 and query.stdout.strip() else None
+        query = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        out["gpu_driver"] = (
+            query.stdout.strip().splitlines()[0] if query.returncode == 0 and query.stdout.strip() else None
+        )
     return out
 
 
@@ -75,5 +90,12 @@ def machine_line(m: dict) -> str:
     """One line of `machine`: `AMD EPYC, AVX512 kernels, 2 torch threads of 2 CPUs, no GPU`, with the kernel
     variables set (`MKL_CBWR=AVX2`) after the kernels."""
     kernels = "".join(f" {k}={v}" for k, v in sorted(m.get("kernel_env", {}).items()))
-    gpus = ", ".join(m["gpus"]) + (f" (driver {m['gpu_driver']})" if m.get("gpu_driver") else "") if m["gpus"] else "no GPU"
-    return f"{m['cpu_model']}, {m['cpu_capability']} kernels{kernels}, {m['torch_threads']} torch threads of {m['cpus']} CPUs, {gpus}"
+    gpus = (
+        ", ".join(m["gpus"]) + (f" (driver {m['gpu_driver']})" if m.get("gpu_driver") else "")
+        if m["gpus"]
+        else "no GPU"
+    )
+    return (
+        f"{m['cpu_model']}, {m['cpu_capability']} kernels{kernels}, {m['torch_threads']} torch threads of "
+        f"{m['cpus']} CPUs, {gpus}"
+    )

@@ -38,7 +38,18 @@ from prefect import flow, get_run_logger
 
 from qevolve.data.atomic import atomic_path
 from qevolve.envs.task_images import REGISTRY_ENV
-from tasks.scaleout import DEPLOYMENT, ROOT, SRC, Remote, carried_path, code_digest, registry_name, stage_inputs, use_remote, worker_root
+from tasks.scaleout import (
+    DEPLOYMENT,
+    ROOT,
+    SRC,
+    Remote,
+    carried_path,
+    code_digest,
+    registry_name,
+    stage_inputs,
+    use_remote,
+    worker_root,
+)
 
 
 def _run_name() -> str:
@@ -50,7 +61,15 @@ def _run_name() -> str:
 
 
 @flow(name=DEPLOYMENT, flow_run_name=_run_name)
-def remote_stage(stage: str, iteration: int | None, files: dict[str, str], code: str, remote: dict, workspace: str, registry: str = "") -> dict:
+def remote_stage(
+    stage: str,
+    iteration: int | None,
+    files: dict[str, str],
+    code: str,
+    remote: dict,
+    workspace: str,
+    registry: str = "",
+) -> dict:
     """A stage of an evolution run on this worker: in a workspace of its own (under `QEVOLVE_WORKER_DIR`,
     default ~/.qevolve/workers), from the orchestrator's files and the remote's data; its outputs and
     run-cache entry are pushed to the remote. `registry`: where terminal tasks' images are shared (scaleout.yaml's
@@ -68,8 +87,10 @@ def remote_stage(stage: str, iteration: int | None, files: dict[str, str], code:
     name = stage_name(stage, iteration)
     mine = code_digest(ROOT / SRC)
     if mine != code:
-        raise RuntimeError(f"{name}: this worker's code (src digest {mine[:12]}) is not the orchestrator's ({code[:12]}); "
-                           f"run the worker from the same commit: DVC keys the stage's run by its code")
+        raise RuntimeError(
+            f"{name}: this worker's code (src digest {mine[:12]}) is not the orchestrator's ({code[:12]}); "
+            f"run the worker from the same commit: DVC keys the stage's run by its code"
+        )
     root.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(root / SRC, ignore_errors=True)
     shutil.copytree(ROOT / SRC, root / SRC, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
@@ -88,7 +109,9 @@ def remote_stage(stage: str, iteration: int | None, files: dict[str, str], code:
     with dvc_repo(root) as repo, remote_errors(remote["url"], f"{name}: pulling its inputs"):
         repo.pull(targets=stage_inputs(repo, name)[0])
     if restore_from_run_cache(root, name, remote["url"]):
-        log.info("%s: restored from the remote's run cache (computed before with the same code, params and inputs)", name)
+        log.info(
+            "%s: restored from the remote's run cache (computed before with the same code, params and inputs)", name
+        )
         return {"stage": name, "ran": False}
     result = compute_stage(root, stage, iteration)
     push_stage(root, name, remote["url"])
@@ -118,23 +141,39 @@ def crash_silent_runs(silence_s: int) -> None:
         trigger=EventTrigger(
             # From the run's start too: a worker killed before the run's first heartbeat reached the server.
             after={"prefect.flow-run.Running", "prefect.flow-run.heartbeat"},
-            expect={"prefect.flow-run.heartbeat", *(f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed"))},
+            expect={
+                "prefect.flow-run.heartbeat",
+                *(f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")),
+            },
             match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
             match_related=ResourceSpecification({"prefect.resource.role": "flow", "prefect.resource.name": DEPLOYMENT}),
-            for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1, within=timedelta(seconds=silence_s),
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=silence_s),
         ),
-        actions=[ChangeFlowRunState(state=StateType.CRASHED, message=f"no heartbeat for {silence_s} s: its worker is gone")],
+        actions=[
+            ChangeFlowRunState(state=StateType.CRASHED, message=f"no heartbeat for {silence_s} s: its worker is gone")
+        ],
     ).create()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Deploy the stage flow on a Prefect work pool (see this module's docstring).")
+    parser = argparse.ArgumentParser(
+        description="Deploy the stage flow on a Prefect work pool (see this module's docstring)."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     deploy = sub.add_parser("deploy", help=f"create or update the deployment {DEPLOYMENT}/POOL")
     deploy.add_argument("pool", help="the work pool (created as a process pool if missing)")
-    deploy.add_argument("--heartbeat", type=int, default=30, help="seconds between a stage run's heartbeats (at least 30; default 30)")
-    deploy.add_argument("--silence", type=int, default=120,
-                        help="seconds without a heartbeat after which a stage run is marked Crashed (default 120)")
+    deploy.add_argument(
+        "--heartbeat", type=int, default=30, help="seconds between a stage run's heartbeats (at least 30; default 30)"
+    )
+    deploy.add_argument(
+        "--silence",
+        type=int,
+        default=120,
+        help="seconds without a heartbeat after which a stage run is marked Crashed (default 120)",
+    )
     args = parser.parse_args(argv)
     if args.heartbeat < 30 or args.silence <= args.heartbeat:
         parser.error("--heartbeat: at least 30 s (Prefect's minimum), and --silence longer than it")
@@ -148,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         except ObjectAlreadyExists:
             pass
     remote_stage.from_source(source=str(ROOT), entrypoint="flows/scaleout.py:remote_stage").deploy(
-        name=args.pool, work_pool_name=args.pool, print_next_steps=False,
-        job_variables={"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(args.heartbeat)}})
+        name=args.pool,
+        work_pool_name=args.pool,
+        print_next_steps=False,
+        job_variables={"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(args.heartbeat)}},
+    )
     crash_silent_runs(args.silence)
     print(f"deployed {DEPLOYMENT}/{args.pool}; start its worker with: prefect worker start --pool {args.pool}")
     return 0

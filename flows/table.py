@@ -11,7 +11,7 @@ checked out from DVC's run cache instead of being computed again. A killed table
     python -m flows.table benchmarks/table-smoke.yaml --out /tmp/smoke
     python -m flows.table benchmarks/table.yaml --seeds 1       # the first seed only
     python -m flows.table benchmarks/multi2.yaml --seed 1 --env-steps N --out runs/s1   # one seed, elsewhere
-    python -m flows.table benchmarks/multi2.yaml --seed 0 --workspace multi2 --env-steps N --out runs/s0b   # one workspace
+    python -m flows.table benchmarks/multi2.yaml --seed 0 --workspace multi2 --env-steps N --out runs/s0b  # one
     python -m flows.table benchmarks/multi2.yaml --merge runs/s0/results.json runs/s1/results.json
 
 It writes `<out>/table.md` (mean and std over seeds per row), `<out>/results.json`, `<out>/curves/`
@@ -40,8 +40,14 @@ from qevolve.errors import inside
 
 
 @flow(name="table")
-def table(spec_path: str, out: str | None = None, seeds: int | None = None, only: list[int] | None = None,
-          env_steps: int | None = None, workspaces: list[str] | None = None) -> dict:
+def table(
+    spec_path: str,
+    out: str | None = None,
+    seeds: int | None = None,
+    only: list[int] | None = None,
+    env_steps: int | None = None,
+    workspaces: list[str] | None = None,
+) -> dict:
     """Run every workspace and seed of the spec (each an evolution; only the first `seeds` seeds, or the
     seeds in `only`, and only `workspaces`, if given), then write and log the table. `env_steps`: the
     budget of the `match_env_steps` workspaces, where the workspace they match does not run here."""
@@ -84,14 +90,35 @@ def table(spec_path: str, out: str | None = None, seeds: int | None = None, only
     listing = packages()
     run_id = log_table(spec, results, wall, images, commit, listing)
     text = markdown(results, spec.by_type, spec.splits())
-    write_json(out_dir / "results.json", {"spec": spec.model_dump(), "rows": results, "wall_s": wall, "git_commit": commit, "mlflow_parent_run_id": run_id,
-                                          "env_steps_budget": budgets, "packages_sha256": packages_sha256(listing), "packages": listing, "machine": machine()})
+    write_json(
+        out_dir / "results.json",
+        {
+            "spec": spec.model_dump(),
+            "rows": results,
+            "wall_s": wall,
+            "git_commit": commit,
+            "mlflow_parent_run_id": run_id,
+            "env_steps_budget": budgets,
+            "packages_sha256": packages_sha256(listing),
+            "packages": listing,
+            "machine": machine(),
+        },
+    )
     with atomic_path(out_dir / "table.md") as tmp:
         tmp.write_text(text)
-    return {"out": str(out_dir), "mlflow_parent_run_id": run_id, "wall_s": wall, "table": text, "images": [str(p) for p in images], "git_commit": commit}
+    return {
+        "out": str(out_dir),
+        "mlflow_parent_run_id": run_id,
+        "wall_s": wall,
+        "table": text,
+        "images": [str(p) for p in images],
+        "git_commit": commit,
+    }
 
 
-def write_merged(spec_path: str, files: list[str], out: str | None = None, replace: bool = False, mixed: bool = False) -> dict:
+def write_merged(
+    spec_path: str, files: list[str], out: str | None = None, replace: bool = False, mixed: bool = False
+) -> dict:
     """`merge` of the results files into `<out>/table.md` and `<out>/results.json` (no runs, no plots:
     those stay with each run's own folder and MLflow database). With `mixed`, a table joined from other code
     says which."""
@@ -102,8 +129,11 @@ def write_merged(spec_path: str, files: list[str], out: str | None = None, repla
     text = markdown(results, spec.by_type, spec.splits())
     codes = {c for s in sources for c in code_of(s)}
     if len(codes) > 1:
-        text += (f"\n**Joined from runs of different code** (`--mixed-code`): commits {', '.join(sorted({str(c) for c, _ in codes}))}, "
-                 f"{len({p for _, p in codes})} package listing(s); a difference between rows may be the code's.\n")
+        text += (
+            f"\n**Joined from runs of different code** (`--mixed-code`): commits "
+            f"{', '.join(sorted({str(c) for c, _ in codes}))}, "
+            f"{len({p for _, p in codes})} package listing(s); a difference between rows may be the code's.\n"
+        )
     write_json(out_dir / "results.json", {"spec": spec.model_dump(), "rows": results, "merged_from": sources})
     with atomic_path(out_dir / "table.md") as tmp:
         tmp.write_text(text)
@@ -116,13 +146,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="output folder (default runs/<spec name>)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--seeds", type=int, help="run only the spec's first N seeds")
-    which.add_argument("--seed", type=int, action="append", help="run only this seed of the spec (repeatable); join the runs with --merge")
-    which.add_argument("--merge", nargs="+", metavar="RESULTS", help="run nothing: join these results.json files of the spec's table into one table")
-    parser.add_argument("--replace", action="store_true", help="with --merge: a later file's seed with other figures replaces the earlier file's")
-    parser.add_argument("--mixed-code", action="store_true",
-                        help="with --merge: join files computed with other code (commits, packages); the table says so")
-    parser.add_argument("--workspace", action="append", help="run only this workspace of the spec (repeatable), with its rows")
-    parser.add_argument("--env-steps", type=int, help="the budget of the match_env_steps workspaces when the workspace they match does not run here")
+    which.add_argument(
+        "--seed",
+        type=int,
+        action="append",
+        help="run only this seed of the spec (repeatable); join the runs with --merge",
+    )
+    which.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="RESULTS",
+        help="run nothing: join these results.json files of the spec's table into one table",
+    )
+    parser.add_argument(
+        "--replace",
+        action="store_true",
+        help="with --merge: a later file's seed with other figures replaces the earlier file's",
+    )
+    parser.add_argument(
+        "--mixed-code",
+        action="store_true",
+        help="with --merge: join files computed with other code (commits, packages); the table says so",
+    )
+    parser.add_argument(
+        "--workspace", action="append", help="run only this workspace of the spec (repeatable), with its rows"
+    )
+    parser.add_argument(
+        "--env-steps",
+        type=int,
+        help="the budget of the match_env_steps workspaces when the workspace they match does not run here",
+    )
     args = parser.parse_args(argv)
     if (args.replace or args.mixed_code) and not args.merge:
         parser.error("--replace and --mixed-code: only with --merge")
@@ -132,9 +185,18 @@ def main(argv: list[str] | None = None) -> int:
             print(result["table"])
             for s in result["sources"]:
                 for r in s.get("replaced", []):
-                    print(f"{s['file']}: replaced seed {r['seed']} of row {r['row']!r} that an earlier file gave with other figures")
-            print("joined " + ", ".join(f"{s['file']} ({'a joined table' if 'merged_from' in s else 'commit ' + str(s['git_commit'])})"
-                                        for s in result["sources"]) + f" into {result['out']}")
+                    print(
+                        f"{s['file']}: replaced seed {r['seed']} of row {r['row']!r} that an earlier file gave "
+                        f"with other figures"
+                    )
+            print(
+                "joined "
+                + ", ".join(
+                    f"{s['file']} ({'a joined table' if 'merged_from' in s else 'commit ' + str(s['git_commit'])})"
+                    for s in result["sources"]
+                )
+                + f" into {result['out']}"
+            )
             return 0
         result = table(args.spec, args.out, args.seeds, args.seed, args.env_steps, args.workspace)
     except ConfigError as err:
@@ -142,8 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print()
     print(result["table"])
-    print(f"wall time {result['wall_s'] / 60:.1f} min at commit {result['git_commit']}; MLflow parent run {result['mlflow_parent_run_id']} "
-          f"in {result['out']}/mlflow.db; plots {', '.join(result['images'])}")
+    print(
+        f"wall time {result['wall_s'] / 60:.1f} min at commit {result['git_commit']}; MLflow parent run "
+        f"{result['mlflow_parent_run_id']} "
+        f"in {result['out']}/mlflow.db; plots {', '.join(result['images'])}"
+    )
     return 0
 
 

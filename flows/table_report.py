@@ -20,7 +20,13 @@ from qevolve.config import ConfigError
 from qevolve.data.atomic import atomic_path, write_json
 from qevolve.data.store import read_episodes
 
-BY_TYPE_KEYS = ("high_tokens_per_episode", "low_tokens_per_episode", "subtasks_per_episode", "invalid_rate", "repeated_rate")
+BY_TYPE_KEYS = (
+    "high_tokens_per_episode",
+    "low_tokens_per_episode",
+    "subtasks_per_episode",
+    "invalid_rate",
+    "repeated_rate",
+)
 """What a per-type table reads of an evaluation beside its successes per type (the role keys only a
 hierarchical method's evaluation has)."""
 
@@ -35,7 +41,9 @@ def task_outcomes(root: Path, stage: str) -> dict[str, dict]:
     name, _, k = stage.partition("@")
     out: dict[str, dict] = {}
     for e in read_episodes(root / {"evaluate": paths.evaluation, "rerank": paths.reranked}[name](int(k))):
-        task = out.setdefault(e["split"], {}).setdefault(e["task_id"], {"type": e["task_type"], "won": 0, "episodes": 0})
+        task = out.setdefault(e["split"], {}).setdefault(
+            e["task_id"], {"type": e["task_type"], "won": 0, "episodes": 0}
+        )
         task["won"] += e["won"]
         task["episodes"] += 1
     return out
@@ -76,23 +84,58 @@ def gather(spec: Spec, out: Path) -> list[dict]:
             tasks = task_outcomes(root, row.stage)
             experts = demonstration_steps(root)
             first = next(iter(m.values()))
-            seeds.append({
-                "seed": seed, "workspace": str(root.relative_to(out)),
-                **{f"{split}/{key}": m[split][key] for split in spec.splits() if split in m for key in ("success_rate", "avg_reward", "episodes")},
-                **{f"{split}/env_failures": m[split].get("env_failures", 0) for split in spec.splits() if split in m},
-                **{f"{split}/invalid_rate": m[split]["invalid_rate"] for split in spec.splits() if "invalid_rate" in m.get(split, {})},
-                **{f"{split}/tasks": tasks.get(split, {}) for split in spec.splits() if split in m},
-                **{f"{split}/tokens_per_episode": m[split]["prompt_tokens_per_episode"] + m[split]["output_tokens_per_episode"]
-                   for split in spec.splits() if split in m},
-                **({f"{spec.by_type}/{key}": m[spec.by_type][key] for key in (*BY_TYPE_KEYS, "by_type") if key in m[spec.by_type]}
-                   if spec.by_type in m else {}),
-                "expert_env_steps": experts,
-                "own_env_steps": first["cumulative_env_steps"] - experts,
-                "generated_tokens": first.get("cumulative_generated_tokens", 0),
-                **critic_auc(root, row.stage),
-                **update_weights(root, row.stage),
-            })
-        results.append({"row": row.name, "workspace": row.workspace, "stage": row.stage, "against": spec.against(row), "seeds": seeds})
+            seeds.append(
+                {
+                    "seed": seed,
+                    "workspace": str(root.relative_to(out)),
+                    **{
+                        f"{split}/{key}": m[split][key]
+                        for split in spec.splits()
+                        if split in m
+                        for key in ("success_rate", "avg_reward", "episodes")
+                    },
+                    **{
+                        f"{split}/env_failures": m[split].get("env_failures", 0)
+                        for split in spec.splits()
+                        if split in m
+                    },
+                    **{
+                        f"{split}/invalid_rate": m[split]["invalid_rate"]
+                        for split in spec.splits()
+                        if "invalid_rate" in m.get(split, {})
+                    },
+                    **{f"{split}/tasks": tasks.get(split, {}) for split in spec.splits() if split in m},
+                    **{
+                        f"{split}/tokens_per_episode": m[split]["prompt_tokens_per_episode"]
+                        + m[split]["output_tokens_per_episode"]
+                        for split in spec.splits()
+                        if split in m
+                    },
+                    **(
+                        {
+                            f"{spec.by_type}/{key}": m[spec.by_type][key]
+                            for key in (*BY_TYPE_KEYS, "by_type")
+                            if key in m[spec.by_type]
+                        }
+                        if spec.by_type in m
+                        else {}
+                    ),
+                    "expert_env_steps": experts,
+                    "own_env_steps": first["cumulative_env_steps"] - experts,
+                    "generated_tokens": first.get("cumulative_generated_tokens", 0),
+                    **critic_auc(root, row.stage),
+                    **update_weights(root, row.stage),
+                }
+            )
+        results.append(
+            {
+                "row": row.name,
+                "workspace": row.workspace,
+                "stage": row.stage,
+                "against": spec.against(row),
+                "seeds": seeds,
+            }
+        )
     return results
 
 
@@ -104,8 +147,16 @@ def outcomes(seeds: list[dict], split: str, task_type: str | None = None) -> dic
         tasks = s.get(f"{split}/tasks")
         if tasks is None:
             types = s.get(f"{split}/by_type")
-            counts = [c for ty, c in types.items() if task_type in (None, ty)] if types is not None else [
-                {"episodes": s[f"{split}/episodes"], "won": round(s[f"{split}/success_rate"] * s[f"{split}/episodes"])}]
+            counts = (
+                [c for ty, c in types.items() if task_type in (None, ty)]
+                if types is not None
+                else [
+                    {
+                        "episodes": s[f"{split}/episodes"],
+                        "won": round(s[f"{split}/success_rate"] * s[f"{split}/episodes"]),
+                    }
+                ]
+            )
             won = sum(c["won"] for c in counts)
             for i in range(sum(c["episodes"] for c in counts)):
                 out[f"seed #{j} episode {i}"] = [float(i < won)]
@@ -163,18 +214,21 @@ def fmt(values: list[float], percent: bool = False, digits: int = 3) -> str:
     return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if s is not None else "")
 
 
-LEGEND = ("success %: pooled over seeds, with its 95 % Wilson interval at the sample size left once episodes of one "
-          "task are counted as the correlated draws they are (Kish's design effect; a rate of 0 or 100 % at its number of "
-          "tasks), and won/episodes. Δ: the row's success minus the row named, on the tasks and seeds both played, with a 95 % "
-          "paired bootstrap interval (tasks and seeds drawn independently: a seed is one trained model that plays every "
-          "task) and on how many seeds the row's own difference is above 0; an interval holding 0 does not tell the rows "
-          "apart; \"no discordant pair\": the rows agree on every task, and Δ lies within the exact 95 % bound given. env "
-          "fail: episodes the environment failed, left out of the rates. critic AUC: how well the critic of the row's "
-          "iteration ranks won above lost episodes it never trained on (`diagnose@k`, on the previous policy's evaluation "
-          "episodes; a hierarchy's low level), per seed; 0.5 is chance; n/a: no held-out episode was won, or none lost. "
-          "invalid %: actions the environment rejected or that did not parse, in the first split's episodes. weight ≠ 1: the "
-          "share of action tokens whose weight in the row's update was more than 0.1 from behaviour cloning's 1 (near 0, "
-          "the update is more behaviour cloning).\n")
+LEGEND = (
+    "success %: pooled over seeds, with its 95 % Wilson interval at the sample size left once episodes of one "
+    "task are counted as the correlated draws they are (Kish's design effect; a rate of 0 or 100 % at its number of "
+    "tasks), and won/episodes. Δ: the row's success minus the row named, on the tasks and seeds both played, with "
+    "a 95 % "
+    "paired bootstrap interval (tasks and seeds drawn independently: a seed is one trained model that plays every "
+    "task) and on how many seeds the row's own difference is above 0; an interval holding 0 does not tell the rows "
+    'apart; "no discordant pair": the rows agree on every task, and Δ lies within the exact 95 % bound given. env '
+    "fail: episodes the environment failed, left out of the rates. critic AUC: how well the critic of the row's "
+    "iteration ranks won above lost episodes it never trained on (`diagnose@k`, on the previous policy's evaluation "
+    "episodes; a hierarchy's low level), per seed; 0.5 is chance; n/a: no held-out episode was won, or none lost. "
+    "invalid %: actions the environment rejected or that did not parse, in the first split's episodes. weight ≠ 1: the "
+    "share of action tokens whose weight in the row's update was more than 0.1 from behaviour cloning's 1 (near 0, "
+    "the update is more behaviour cloning).\n"
+)
 
 
 def auc_cell(seeds: list[dict]) -> str:
@@ -194,19 +248,32 @@ def by_type_markdown(results: list[dict], split: str) -> str:
     row compared with (`difference_cell`), then the means over seeds of tokens per episode by role, System 1
     calls per episode, invalid and repeated-action rates."""
     types = sorted({ty for r in results for s in r["seeds"] for ty in s.get(f"{split}/by_type", {})})
-    head = (f"| # | row | seeds | {' | '.join(f'{ty} success %' for ty in types)} | all success % | Δ all | env fail | "
-            "tokens per episode (high / low) | System 1 calls per episode | invalid % | repeated % | critic AUC |")
+    head = (
+        f"| # | row | seeds | {' | '.join(f'{ty} success %' for ty in types)} | all success % | Δ all | env fail | "
+        "tokens per episode (high / low) | System 1 calls per episode | invalid % | repeated % | critic AUC |"
+    )
     lines = [head, "|---:|---|---:|" + "---:|" * (len(types) + 8)]
     for i, r in enumerate(results, 1):
         seeds = r["seeds"]
         col = lambda key: [s[key] for s in seeds if key in s]  # noqa: E731
-        cells = [rate_cell(seeds, split, ty) for ty in types] + [rate_cell(seeds, split), difference_cell(results, r, split),
-                                                                 str(env_failures(seeds, (split,)))]
+        cells = [rate_cell(seeds, split, ty) for ty in types] + [
+            rate_cell(seeds, split),
+            difference_cell(results, r, split),
+            str(env_failures(seeds, (split,))),
+        ]
         high, low = col(f"{split}/high_tokens_per_episode"), col(f"{split}/low_tokens_per_episode")
-        tokens = f"{fmt(high, digits=0)} / {fmt(low, digits=0)}" if high else fmt(col(f"{split}/tokens_per_episode"), digits=0) + " (flat)"
+        tokens = (
+            f"{fmt(high, digits=0)} / {fmt(low, digits=0)}"
+            if high
+            else fmt(col(f"{split}/tokens_per_episode"), digits=0) + " (flat)"
+        )
         calls = col(f"{split}/subtasks_per_episode")
-        lines.append(f"| {i} | {r['row']} | {len(seeds)} | {' | '.join(cells)} | {tokens} | {fmt(calls, digits=2) if calls else ''} | "
-                     f"{fmt(col(f'{split}/invalid_rate'), True)} | {fmt(col(f'{split}/repeated_rate'), True)} | {auc_cell(seeds)} |")
+        lines.append(
+            f"| {i} | {r['row']} | {len(seeds)} | {' | '.join(cells)} | {tokens} | "
+            f"{fmt(calls, digits=2) if calls else ''} | "
+            f"{fmt(col(f'{split}/invalid_rate'), True)} | {fmt(col(f'{split}/repeated_rate'), True)} | "
+            f"{auc_cell(seeds)} |"
+        )
     return "\n".join(lines) + "\n\n" + LEGEND
 
 
@@ -214,17 +281,28 @@ def markdown(results: list[dict], by_type: str | None = None, pair: tuple[str, .
     if by_type:
         return by_type_markdown(results, by_type)
     label = {"valid_seen": "seen", "valid_unseen": "unseen"}
-    head = (f"| # | row | seeds | {' | '.join(f'{label.get(s, s)} success % | Δ {label.get(s, s)} | {label.get(s, s)} reward' for s in pair)} | "
-            f"env fail | own env steps | generated tokens | tokens per {label.get(pair[0], pair[0])} episode | critic AUC | "
-            f"invalid % | weight ≠ 1 % |")
+    head = (
+        "| # | row | seeds | "
+        + " | ".join(f"{label.get(s, s)} success % | Δ {label.get(s, s)} | {label.get(s, s)} reward" for s in pair)
+        + " | "
+        f"env fail | own env steps | generated tokens | tokens per {label.get(pair[0], pair[0])} episode | "
+        "critic AUC | invalid % | weight ≠ 1 % |"
+    )
     lines = [head, "|---:|---|---:|" + "---:|---:|---:|" * len(pair) + "---:|---:|---:|---:|---:|---:|---:|"]
     for i, r in enumerate(results, 1):
         col = lambda key: [s[key] for s in r["seeds"] if key in s]  # noqa: E731
-        cells = " | ".join(f"{rate_cell(r['seeds'], s)} | {difference_cell(results, r, s)} | {fmt(col(f'{s}/avg_reward'))}" for s in pair)
-        lines.append(f"| {i} | {r['row']} | {len(r['seeds'])} | {cells} | {env_failures(r['seeds'], pair)} | {fmt(col('own_env_steps'), digits=0)} | "
-                     f"{fmt(col('generated_tokens'), digits=0)} | {fmt(col(f'{pair[0]}/tokens_per_episode'), digits=0)} | {auc_cell(r['seeds'])} | "
-                     f"{fmt(col(f'{pair[0]}/invalid_rate'), True) if col(f'{pair[0]}/invalid_rate') else ''} | "
-                     f"{fmt(col('weight_off_one'), True) if col('weight_off_one') else ''} |")
+        cells = " | ".join(
+            f"{rate_cell(r['seeds'], s)} | {difference_cell(results, r, s)} | {fmt(col(f'{s}/avg_reward'))}"
+            for s in pair
+        )
+        lines.append(
+            f"| {i} | {r['row']} | {len(r['seeds'])} | {cells} | {env_failures(r['seeds'], pair)} | "
+            f"{fmt(col('own_env_steps'), digits=0)} | "
+            f"{fmt(col('generated_tokens'), digits=0)} | {fmt(col(f'{pair[0]}/tokens_per_episode'), digits=0)} | "
+            f"{auc_cell(r['seeds'])} | "
+            f"{fmt(col(f'{pair[0]}/invalid_rate'), True) if col(f'{pair[0]}/invalid_rate') else ''} | "
+            f"{fmt(col('weight_off_one'), True) if col('weight_off_one') else ''} |"
+        )
     return "\n".join(lines) + "\n\n" + LEGEND
 
 
@@ -243,15 +321,26 @@ def write_curves(spec: Spec, out: Path) -> None:
             for seed in spec.seeds[: ws.seeds]:
                 root = out / f"{name}-s{seed}"
                 m = read_metrics(root, f"evaluate@{k}")
-                points.append({**{s: m[s]["success_rate"] for s in spec.splits() if s in m},
-                               "env_steps": own_env_steps(root, next(iter(m.values()))["cumulative_env_steps"])})
+                points.append(
+                    {
+                        **{s: m[s]["success_rate"] for s in spec.splits() if s in m},
+                        "env_steps": own_env_steps(root, next(iter(m.values()))["cumulative_env_steps"]),
+                    }
+                )
             rows.append({"iteration": k, **{key: statistics.mean(p[key] for p in points) for key in points[0]}})
         path = folder / f"{ws.label}.json"
         write_json(path, rows)
         files.append(path.relative_to(out).as_posix())
     plots = [
-        {f"success_by_{x}": {"template": "simple", "x": x, "y": {f: list(spec.splits()) for f in files}, "y_label": "success rate",
-                             "title": f"Success rate by {x.replace('_', ' ')}"}}
+        {
+            f"success_by_{x}": {
+                "template": "simple",
+                "x": x,
+                "y": {f: list(spec.splits()) for f in files},
+                "y_label": "success rate",
+                "title": f"Success rate by {x.replace('_', ' ')}",
+            }
+        }
         for x in ("iteration", "env_steps")
     ]
     (out / "dvc.yaml").write_text(yaml.safe_dump({"plots": plots}, sort_keys=False))
@@ -263,7 +352,9 @@ def render_plots(out: Path) -> list[Path]:
 
     if not (out / ".dvc").exists():
         subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=out, check=True)
-    shown = subprocess.run([sys.executable, "-m", "dvc", "plots", "show", "--json"], cwd=out, check=True, capture_output=True, text=True)
+    shown = subprocess.run(
+        [sys.executable, "-m", "dvc", "plots", "show", "--json"], cwd=out, check=True, capture_output=True, text=True
+    )
     images = []
     for name, renders in json.loads(shown.stdout)["data"].items():
         chart = renders[0]["content"]
@@ -284,7 +375,9 @@ def render_plots(out: Path) -> list[Path]:
     return images
 
 
-def log_table(spec: Spec, results: list[dict], wall_s: float, images: list[Path], commit: str, listing: list[str]) -> str:
+def log_table(
+    spec: Spec, results: list[dict], wall_s: float, images: list[Path], commit: str, listing: list[str]
+) -> str:
     """One MLflow parent run for the table, one child per row and seed; returns the parent's id."""
     import mlflow
 
@@ -292,8 +385,14 @@ def log_table(spec: Spec, results: list[dict], wall_s: float, images: list[Path]
 
     use_experiment(f"table-{spec.name}")
     here = machine()
-    with mlflow.start_run(run_name=f"table-{spec.name}", tags={"qevolve.git_commit": commit, "qevolve.packages_sha256": packages_sha256(listing),
-                                                               "qevolve.machine": machine_line(here)}) as parent:
+    with mlflow.start_run(
+        run_name=f"table-{spec.name}",
+        tags={
+            "qevolve.git_commit": commit,
+            "qevolve.packages_sha256": packages_sha256(listing),
+            "qevolve.machine": machine_line(here),
+        },
+    ) as parent:
         mlflow.log_metric("wall_s", wall_s)
         mlflow.log_text("\n".join(listing) + "\n", "environment/packages.txt")
         mlflow.log_dict(here, "environment/machine.json")
@@ -302,10 +401,19 @@ def log_table(spec: Spec, results: list[dict], wall_s: float, images: list[Path]
             mlflow.log_artifact(str(image))
         for i, r in enumerate(results, 1):
             for s in r["seeds"]:
-                with mlflow.start_run(run_name=f"{i}. {r['row']} (seed {s['seed']})", nested=True,
-                                      tags={"qevolve.row": r["row"], "qevolve.stage": r["stage"], "qevolve.workspace": s["workspace"]}):
+                with mlflow.start_run(
+                    run_name=f"{i}. {r['row']} (seed {s['seed']})",
+                    nested=True,
+                    tags={"qevolve.row": r["row"], "qevolve.stage": r["stage"], "qevolve.workspace": s["workspace"]},
+                ):
                     mlflow.log_params({"row": i, "seed": s["seed"], "workspace": r["workspace"], "stage": r["stage"]})
-                    mlflow.log_metrics({k.replace("/", "_"): float(v) for k, v in s.items() if isinstance(v, (int, float)) and k != "seed"})
+                    mlflow.log_metrics(
+                        {
+                            k.replace("/", "_"): float(v)
+                            for k, v in s.items()
+                            if isinstance(v, (int, float)) and k != "seed"
+                        }
+                    )
         return parent.info.run_id
 
 
@@ -323,7 +431,10 @@ def merge(spec: Spec, files: list[Path], replace: bool = False, mixed: bool = Fa
     it is refused, or with `replace` the later file's figures replace the earlier's, listed in that file's
     `replaced`. Files computed with other code (another commit, a dirty tree, other packages) are refused
     unless `mixed`."""
-    rows = {r.name: {"row": r.name, "workspace": r.workspace, "stage": r.stage, "against": spec.against(r), "seeds": []} for r in spec.rows}
+    rows = {
+        r.name: {"row": r.name, "workspace": r.workspace, "stage": r.stage, "against": spec.against(r), "seeds": []}
+        for r in spec.rows
+    }
     sources = []
     for f in files:
         try:
@@ -340,20 +451,31 @@ def merge(spec: Spec, files: list[Path], replace: bool = False, mixed: bool = Fa
             earlier = {s["seed"]: s for s in rows[r["row"]]["seeds"]}
             differ = sorted(s["seed"] for s in r["seeds"] if s["seed"] in earlier and s != earlier[s["seed"]])
             if differ and not replace:
-                raise ConfigError(f"{f}: rows: row {r['row']!r} has seed(s) {differ} that an earlier file gave with other figures "
-                                  "(--replace: keep this file's)")
+                raise ConfigError(
+                    f"{f}: rows: row {r['row']!r} has seed(s) {differ} that an earlier file gave with other figures "
+                    "(--replace: keep this file's)"
+                )
             replaced += [{"row": r["row"], "seed": k} for k in differ]
             rows[r["row"]]["seeds"] = [s for s in rows[r["row"]]["seeds"] if s["seed"] not in differ]
             rows[r["row"]]["seeds"] += [s for s in r["seeds"] if s["seed"] not in earlier or s["seed"] in differ]
         # A joined table's own sources are kept under it, so joining it again loses none of its runs' commits.
-        own = {"merged_from": data["merged_from"]} if "merged_from" in data else {
-            "git_commit": data.get("git_commit"), "wall_s": data.get("wall_s"), "packages_sha256": data.get("packages_sha256")}
+        own = (
+            {"merged_from": data["merged_from"]}
+            if "merged_from" in data
+            else {
+                "git_commit": data.get("git_commit"),
+                "wall_s": data.get("wall_s"),
+                "packages_sha256": data.get("packages_sha256"),
+            }
+        )
         sources.append({"file": str(f), **own, **({"replaced": replaced} if replaced else {})})
         codes = {c for src in sources for c in code_of(src)}
         if len(codes) > 1 and not mixed:
-            raise ConfigError(f"{f}: git_commit/packages_sha256: its runs' code differs from an earlier file's "
-                              f"(commits {sorted({str(c) for c, _ in codes})}, {len({p for _, p in codes})} package listings); "
-                              "--mixed-code joins them anyway, and the table says so")
+            raise ConfigError(
+                f"{f}: git_commit/packages_sha256: its runs' code differs from an earlier file's "
+                f"(commits {sorted({str(c) for c, _ in codes})}, {len({p for _, p in codes})} package listings); "
+                "--mixed-code joins them anyway, and the table says so"
+            )
     for r in rows.values():
         r["seeds"].sort(key=lambda s: s["seed"])
     return [r for r in rows.values() if r["seeds"]], sources

@@ -73,20 +73,25 @@ class Spec(BaseModel):
         return (self.by_type,) if self.by_type else tuple(self.pair)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Spec":
+    def _consistent(self) -> Spec:
         names = list(self.workspaces)
         for name, ws in self.workspaces.items():
             if ws.seeds > len(self.seeds):
                 raise ValueError(f"workspaces.{name}.seeds: {ws.seeds} but the table has {len(self.seeds)} seeds")
             if ws.match_env_steps is not None and ws.match_env_steps not in names[: names.index(name)]:
-                raise ValueError(f"workspaces.{name}.match_env_steps: expected a workspace listed before it, got {ws.match_env_steps!r}")
+                raise ValueError(
+                    f"workspaces.{name}.match_env_steps: expected a workspace listed before it, got "
+                    f"{ws.match_env_steps!r}"
+                )
         for i, row in enumerate(self.rows):
             ws = self.workspaces.get(row.workspace)
             if ws is None:
                 raise ValueError(f"rows.{i}.workspace: unknown workspace {row.workspace!r}; expected one of {names}")
             stage, _, k = row.stage.partition("@")
             if stage not in ("evaluate", "rerank") or not k.isdigit() or int(k) > ws.iterations:
-                raise ValueError(f"rows.{i}.stage: expected evaluate@k or rerank@k with k <= {ws.iterations}, got {row.stage!r}")
+                raise ValueError(
+                    f"rows.{i}.stage: expected evaluate@k or rerank@k with k <= {ws.iterations}, got {row.stage!r}"
+                )
             if row.against is not None and row.against not in {r.name for r in self.rows} - {row.name}:
                 raise ValueError(f"rows.{i}.against: expected the name of another row, got {row.against!r}")
         return self
@@ -102,7 +107,11 @@ def load_spec(path: Path) -> Spec:
         lines = [f"{path}: invalid table spec"]
         for e in err.errors():
             where = ".".join(map(str, e["loc"]))
-            lines.append(f"  {where}: {e['msg']} (got {e.get('input')!r})" if where else f"  {e['msg'].removeprefix('Value error, ')}")
+            lines.append(
+                f"  {where}: {e['msg']} (got {e.get('input')!r})"
+                if where
+                else f"  {e['msg'].removeprefix('Value error, ')}"
+            )
         raise ConfigError("\n".join(lines)) from None
 
 
@@ -128,7 +137,9 @@ def only_seeds(spec: Spec, wanted: list[int]) -> Spec:
         if n:
             workspaces[name] = ws.model_copy(update={"seeds": n})
     rows = [r for r in spec.rows if r.workspace in workspaces]
-    return spec.model_copy(update={"seeds": [s for s in spec.seeds if s in wanted], "workspaces": workspaces, "rows": rows})
+    return spec.model_copy(
+        update={"seeds": [s for s in spec.seeds if s in wanted], "workspaces": workspaces, "rows": rows}
+    )
 
 
 def only_workspaces(spec: Spec, names: list[str]) -> Spec:
@@ -137,7 +148,9 @@ def only_workspaces(spec: Spec, names: list[str]) -> Spec:
     if unknown:
         raise ConfigError(f"--workspace: {unknown} not among the spec's workspaces {list(spec.workspaces)}")
     rows = [r for r in spec.rows if r.workspace in names]
-    return spec.model_copy(update={"workspaces": {n: ws for n, ws in spec.workspaces.items() if n in names}, "rows": rows})
+    return spec.model_copy(
+        update={"workspaces": {n: ws for n, ws in spec.workspaces.items() if n in names}, "rows": rows}
+    )
 
 
 def budget(spec: Spec, name: str, out: Path, given: int | None) -> int | None:
@@ -150,8 +163,10 @@ def budget(spec: Spec, name: str, out: Path, given: int | None) -> int | None:
         return given
     other, iterations = out / f"{ws.match_env_steps}-s{spec.seeds[0]}", spec.workspaces[ws.match_env_steps].iterations
     if not (other / "params.yaml").exists() or not steps_file(other, iterations).exists():
-        raise ConfigError(f"workspaces.{name}.match_env_steps: {ws.match_env_steps}'s first seed has not run in {out}; run it first, "
-                          f"or pass --env-steps N (the `env_steps_budget` of the results.json of the run that did)")
+        raise ConfigError(
+            f"workspaces.{name}.match_env_steps: {ws.match_env_steps}'s first seed has not run in {out}; run it first, "
+            f"or pass --env-steps N (the `env_steps_budget` of the results.json of the run that did)"
+        )
     return spent_env_steps(other, iterations)
 
 

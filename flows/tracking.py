@@ -15,10 +15,10 @@ import mlflow
 
 from qevolve import paths
 from qevolve.config import Params, lineage_dump
-from qevolve.data.atomic import write_json
-from qevolve.errors import UserError
 from qevolve.data.advantages import read_advantages
+from qevolve.data.atomic import write_json
 from qevolve.data.store import read_store
+from qevolve.errors import UserError
 from qevolve.lock import STATE_DIR
 from qevolve.recipe import Stage
 
@@ -48,7 +48,9 @@ def use_experiment(name: str) -> None:
     runs log no model."""
     experiment = mlflow.set_experiment(name)
     if experiment.tags.get("mlflow.experimentKind") != "custom_model_development":
-        mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, "mlflow.experimentKind", "custom_model_development")
+        mlflow.MlflowClient().set_experiment_tag(
+            experiment.experiment_id, "mlflow.experimentKind", "custom_model_development"
+        )
 
 
 ML_VIEW = "workflowType=machine_learning"
@@ -80,8 +82,14 @@ def log_attempt() -> None:
     from flows.provenance import git_commit, machine, machine_line, packages, packages_sha256
 
     listing, here = packages(), machine()
-    mlflow.set_tags({"qevolve.git_commit": git_commit(), "qevolve.packages_sha256": packages_sha256(listing),
-                     "qevolve.machine": machine_line(here), "qevolve.prefect_flow_run": str(flow_run.id or "")})
+    mlflow.set_tags(
+        {
+            "qevolve.git_commit": git_commit(),
+            "qevolve.packages_sha256": packages_sha256(listing),
+            "qevolve.machine": machine_line(here),
+            "qevolve.prefect_flow_run": str(flow_run.id or ""),
+        }
+    )
     mlflow.log_text("\n".join(listing) + "\n", "environment/packages.txt")
     mlflow.log_dict(here, "environment/machine.json")
 
@@ -93,7 +101,9 @@ def start_evolution(params: Params, run_name: str):
     Runs left RUNNING under a resumed parent belong to an attempt that was killed (the workspace lock
     guarantees no other attempt is alive): they are marked KILLED, and the parent counts its attempts."""
     use_experiment(params.mlflow.experiment)
-    fingerprint = hashlib.sha256(json.dumps(evolution_identity(params), sort_keys=True, default=str).encode()).hexdigest()
+    fingerprint = hashlib.sha256(
+        json.dumps(evolution_identity(params), sort_keys=True, default=str).encode()
+    ).hexdigest()
     previous = json.loads(EVOLUTION_FILE.read_text()) if EVOLUTION_FILE.exists() else {}
     client = mlflow.MlflowClient()
     run_id = previous.get("run_id") if previous.get("fingerprint") == fingerprint else None
@@ -105,20 +115,35 @@ def start_evolution(params: Params, run_name: str):
         if old is None or old.info.lifecycle_stage != "active":
             run_id = None
     if run_id is None:
-        run = mlflow.start_run(run_name=run_name, tags={"qevolve.attempts": "1", "qevolve.iterations": str(params.evolve.iterations),
-                                                        "qevolve.method": params.method})
+        run = mlflow.start_run(
+            run_name=run_name,
+            tags={
+                "qevolve.attempts": "1",
+                "qevolve.iterations": str(params.evolve.iterations),
+                "qevolve.method": params.method,
+            },
+        )
         log_attempt()
         # Every parameter but the iteration count, which a continued evolution raises (a tag, updated).
-        mlflow.log_params({k: str(v)[:500] for k, v in flatten(params.model_dump()).items() if k != "evolve.iterations"})
+        mlflow.log_params(
+            {k: str(v)[:500] for k, v in flatten(params.model_dump()).items() if k != "evolve.iterations"}
+        )
         write_json(EVOLUTION_FILE, {"run_id": run.info.run_id, "fingerprint": fingerprint})
         return run
-    stale = client.search_runs([old.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}' and attributes.status = 'RUNNING'")
+    stale = client.search_runs(
+        [old.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}' and attributes.status = 'RUNNING'"
+    )
     for child in stale:
         client.set_terminated(child.info.run_id, "KILLED")
     killed = int(old.data.tags.get("qevolve.killed_attempts", "0")) + (old.info.status == "RUNNING")
     run = mlflow.start_run(run_id=run_id)
-    mlflow.set_tags({"qevolve.attempts": str(int(old.data.tags.get("qevolve.attempts", "1")) + 1), "qevolve.killed_attempts": str(killed),
-                     "qevolve.iterations": str(params.evolve.iterations)})
+    mlflow.set_tags(
+        {
+            "qevolve.attempts": str(int(old.data.tags.get("qevolve.attempts", "1")) + 1),
+            "qevolve.killed_attempts": str(killed),
+            "qevolve.iterations": str(params.evolve.iterations),
+        }
+    )
     log_attempt()
     return run
 
@@ -127,7 +152,11 @@ def render_trajectories(store: Path, limit: int = SAMPLE_TRAJECTORIES) -> str:
     """A few trajectories as readable markdown: instruction, then each action and what followed."""
     lines = []
     for t in read_store(store)[:limit]:
-        lines += [f"## {t.task_id} ({t.split}, {t.source}) — {'won' if t.won else 'lost: ' + t.failure}", f"**Task:** {t.instruction}", ""]
+        lines += [
+            f"## {t.task_id} ({t.split}, {t.source}) — {'won' if t.won else 'lost: ' + t.failure}",
+            f"**Task:** {t.instruction}",
+            "",
+        ]
         lines.append(f"> {t.steps[0].observation}" if t.steps else "")
         for s in t.steps:
             flag = "" if s.valid else "  *(rejected)*"
@@ -138,7 +167,9 @@ def render_trajectories(store: Path, limit: int = SAMPLE_TRAJECTORIES) -> str:
 
 def log_timing(timing: dict) -> None:
     """Iteration wall time, compute time and the orchestration overhead, to the active (child) run."""
-    mlflow.log_metrics({f"timing/{k}": v for k, v in timing.items() if k in ("wall_s", "compute_s", "overhead_s", "overhead_share")})
+    mlflow.log_metrics(
+        {f"timing/{k}": v for k, v in timing.items() if k in ("wall_s", "compute_s", "overhead_s", "overhead_share")}
+    )
 
 
 def start_iteration(k: int, parent_run_id: str):
@@ -148,11 +179,14 @@ def start_iteration(k: int, parent_run_id: str):
     parent = client.get_run(parent_run_id)
     done = client.search_runs(
         [parent.info.experiment_id],
-        f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.`qevolve.iteration` = '{k}' and attributes.status = 'FINISHED'",
+        f"tags.mlflow.parentRunId = '{parent_run_id}' and tags.`qevolve.iteration` = '{k}' and attributes.status = "
+        f"'FINISHED'",
     )
     if done:
         return mlflow.start_run(run_id=done[0].info.run_id, nested=True)
-    return mlflow.start_run(run_name=f"iteration-{k}", nested=True, parent_run_id=parent_run_id, tags={"qevolve.iteration": str(k)})
+    return mlflow.start_run(
+        run_name=f"iteration-{k}", nested=True, parent_run_id=parent_run_id, tags={"qevolve.iteration": str(k)}
+    )
 
 
 def render_credit(k: int, limit: int = SAMPLE_TRAJECTORIES) -> str:
@@ -163,13 +197,25 @@ def render_credit(k: int, limit: int = SAMPLE_TRAJECTORIES) -> str:
     own = [t for t in trajs if t.source != "expert"]
     picks = [t for t in own if t.won][: limit // 2] + [t for t in own if not t.won][: limit // 2]
     picks += [t for t in trajs if t.source == "expert"][:1]
-    lines = [f"# Credit assignment, iteration {k}", "", "A = normalised advantage (GAE over the critic's V); aux = relabeling reward.", ""]
+    lines = [
+        f"# Credit assignment, iteration {k}",
+        "",
+        "A = normalised advantage (GAE over the critic's V); aux = relabeling reward.",
+        "",
+    ]
     for t in picks:
-        lines += [f"## {t.task_id} ({t.source}) — {'won' if t.won else 'lost: ' + t.failure}", f"**Task:** {t.instruction}", "",
-                  "| step | action | aux | reason | A |", "|---:|---|---:|---|---:|"]
+        lines += [
+            f"## {t.task_id} ({t.source}) — {'won' if t.won else 'lost: ' + t.failure}",
+            f"**Task:** {t.instruction}",
+            "",
+            "| step | action | aux | reason | A |",
+            "|---:|---|---:|---|---:|",
+        ]
         for st in t.steps:
             a = adv.get((t.trajectory_id, st.step), float("nan"))
-            lines.append(f"| {st.step + 1} | `{st.action or st.output}` | {st.aux_reward:+.2f} | {st.aux_reason} | {a:+.2f} |")
+            lines.append(
+                f"| {st.step + 1} | `{st.action or st.output}` | {st.aux_reward:+.2f} | {st.aux_reason} | {a:+.2f} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -232,7 +278,11 @@ def lineage_tags(result: dict) -> dict[str, str]:
     tag = result["stage"].replace("@", "-")
     lock = yaml.safe_load(Path("dvc.lock").read_text()) if Path("dvc.lock").exists() else {}
     entry = (lock or {}).get("stages", {}).get(result["stage"], {})
-    tags = {f"qevolve.dvc.{tag}.{out['path'].replace('@', '-')}": out["md5"] for out in entry.get("outs", []) if "md5" in out}
+    tags = {
+        f"qevolve.dvc.{tag}.{out['path'].replace('@', '-')}": out["md5"]
+        for out in entry.get("outs", [])
+        if "md5" in out
+    }
     if result.get("pool"):
         tags |= {f"qevolve.pool.{tag}": result["pool"], f"qevolve.prefect_flow_run.{tag}": result["flow_run_id"]}
     return tags
@@ -241,8 +291,10 @@ def lineage_tags(result: dict) -> dict[str, str]:
 class TrackingUnavailable(UserError):
     """The MLflow tracking store failed while a stage was logged."""
 
-    hint = ("the stage's outputs are computed and recorded in dvc.lock; rerun once the tracking server answers (the rerun "
-            "logs it), or unset MLFLOW_TRACKING_URI to track in the workspace's mlflow.db")
+    hint = (
+        "the stage's outputs are computed and recorded in dvc.lock; rerun once the tracking server answers (the rerun "
+        "logs it), or unset MLFLOW_TRACKING_URI to track in the workspace's mlflow.db"
+    )
 
 
 def log_stage(result: dict, spec: Stage) -> None:
@@ -251,8 +303,10 @@ def log_stage(result: dict, spec: Stage) -> None:
     try:
         _log_stage(result, spec)
     except (mlflow.exceptions.MlflowException, OSError) as err:
-        raise TrackingUnavailable(f"{result['stage']}: logging to MLflow at {mlflow.get_tracking_uri()} failed "
-                                  f"({type(err).__name__}: {str(err)[:300]}); nothing computed is lost") from err
+        raise TrackingUnavailable(
+            f"{result['stage']}: logging to MLflow at {mlflow.get_tracking_uri()} failed "
+            f"({type(err).__name__}: {str(err)[:300]}); nothing computed is lost"
+        ) from err
 
 
 def _log_stage(result: dict, spec: Stage) -> None:
@@ -260,10 +314,20 @@ def _log_stage(result: dict, spec: Stage) -> None:
     stage, _, iteration = name.partition("@")
     step = int(iteration or 0)
     flat = flatten(result["metrics"])
-    numbers = {k: v for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.endswith(PLACEMENT)}
+    numbers = {
+        k: v
+        for k, v in flat.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.endswith(PLACEMENT)
+    }
     mlflow.log_metrics({f"{stage}/{k}".replace(".", "/"): float(v) for k, v in numbers.items()}, step=step)
     # Where it computed, as tags (`qevolve.device.policy-1`; MLflow refuses `@` in tag keys).
-    mlflow.set_tags({f"qevolve.{k.rsplit('.', 1)[-1]}.{name.replace('@', '-')}": str(v) for k, v in flat.items() if k.endswith(PLACEMENT)})
+    mlflow.set_tags(
+        {
+            f"qevolve.{k.rsplit('.', 1)[-1]}.{name.replace('@', '-')}": str(v)
+            for k, v in flat.items()
+            if k.endswith(PLACEMENT)
+        }
+    )
     mlflow.set_tags(lineage_tags(result))
     logged = spec.logged
     if logged.curve:
@@ -275,7 +339,9 @@ def _log_stage(result: dict, spec: Stage) -> None:
     if logged.histogram:
         import matplotlib.pyplot as plt
 
-        fig = _histogram_figure(json.loads(paths.curve(name).read_text()), spec.curve, f"{spec.curve[0].capitalize()}s, iteration {step}")
+        fig = _histogram_figure(
+            json.loads(paths.curve(name).read_text()), spec.curve, f"{spec.curve[0].capitalize()}s, iteration {step}"
+        )
         mlflow.log_figure(fig, f"{stage}_hist@{step}.png")
         plt.close(fig)
     if stage == "evaluate" and step:  # also on the parent run, so its metrics chart the whole evolution

@@ -1,12 +1,11 @@
 """Prefect tasks: thin wrappers over the stage functions, with DVC doing the caching.
 
-A task asks DVC whether its stage is up to date (same code, params and input hashes as in dvc.lock and
-outputs present). If so it does nothing and returns the recorded metrics. Otherwise, if DVC's run cache
-holds a run of the stage with the same code, params and input hashes (here or in any workspace sharing
-this DVC cache, e.g. the benchmark table's rows), its outputs are checked out from the cache. Otherwise
-it runs the stage in-process (timing it: `compute_s`) and records it with `dvc commit`, so `dvc.lock` always agrees with what the flow produced
-and `dvc repro` / `dvc status` see the same state.
-"""
+A task asks DVC whether its stage is up to date (same code, params and input hashes as in dvc.lock and outputs present).
+If so it does nothing and returns the recorded metrics. Otherwise, if DVC's run cache holds a run of the stage with the
+same code, params and input hashes (here or in any workspace sharing this DVC cache, e.g. the benchmark table's rows),
+its outputs are checked out from the cache. Otherwise it runs the stage in-process (timing it: `compute_s`) and records
+it with `dvc commit`, so `dvc.lock` always agrees with what the flow produced and `dvc repro` / `dvc status` see the
+same state."""
 
 from __future__ import annotations
 
@@ -21,11 +20,28 @@ from qevolve import paths
 from qevolve.config import load_params
 from qevolve.envs.task_images import REGISTRY_ENV
 from qevolve.stages import run_stage, stage_name
-from tasks.dvc import RemoteUnreachable, dvc_repo, push_stage, restore_changed_outputs, restore_from_run_cache, remote_errors, stage_is_current
+from tasks.dvc import (
+    RemoteUnreachable,
+    dvc_repo,
+    push_stage,
+    remote_errors,
+    restore_changed_outputs,
+    restore_from_run_cache,
+    stage_is_current,
+)
 from tasks.scaleout import dispatch, load_settings
 
-__all__ = ["RemoteUnreachable", "compute_stage", "dvc_repo", "push_stage", "remote_errors", "restore_changed_outputs",
-           "restore_from_run_cache", "run_pipeline_stage", "stage_is_current"]
+__all__ = [
+    "RemoteUnreachable",
+    "compute_stage",
+    "dvc_repo",
+    "push_stage",
+    "remote_errors",
+    "restore_changed_outputs",
+    "restore_from_run_cache",
+    "run_pipeline_stage",
+    "stage_is_current",
+]
 
 
 def compute_stage(root: Path, stage: str, iteration: int | None) -> dict:
@@ -59,8 +75,11 @@ def run_pipeline_stage(stage: str, iteration: int | None = None, root: str = "."
     if stage_is_current(root_path, name):
         logger.info("%s is up to date in DVC (same code, params and inputs as dvc.lock): not run", name)
     elif restore_changed_outputs(root_path, name):
-        logger.warning("%s: its outputs no longer matched dvc.lock (deleted or damaged); restored the recorded version "
-                       "from DVC's cache: not run", name)
+        logger.warning(
+            "%s: its outputs no longer matched dvc.lock (deleted or damaged); restored the recorded version "
+            "from DVC's cache: not run",
+            name,
+        )
     elif restore_from_run_cache(root_path, name):
         logger.info("%s restored from DVC's run cache (a run with the same code, params and inputs): not run", name)
     elif scaleout.remote and restore_from_run_cache(root_path, name, scaleout.remote.url):
@@ -68,10 +87,14 @@ def run_pipeline_stage(stage: str, iteration: int | None = None, root: str = "."
         return {**result, "metrics": json.loads((root_path / paths.metrics(name)).read_text())}
     elif stage in scaleout.pools:
         pool = scaleout.pools[stage]
-        result["flow_run_id"] = dispatch(root_path, stage, iteration, pool, scaleout.remote, scaleout.images.registry if scaleout.images else "")
+        result["flow_run_id"] = dispatch(
+            root_path, stage, iteration, pool, scaleout.remote, scaleout.images.registry if scaleout.images else ""
+        )
         if not restore_from_run_cache(root_path, name, scaleout.remote.url):
-            raise RuntimeError(f"{name} ran on work pool {pool!r}, but the remote {scaleout.remote.url} holds no run of it with this "
-                               "workspace's code, params and inputs")
+            raise RuntimeError(
+                f"{name} ran on work pool {pool!r}, but the remote {scaleout.remote.url} holds no run of it with this "
+                "workspace's code, params and inputs"
+            )
         logger.info("%s computed on work pool %r and restored from the remote's run cache", name, pool)
         result["pool"] = pool
     else:

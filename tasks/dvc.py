@@ -37,9 +37,11 @@ def restore_changed_outputs(root: Path, name: str) -> bool:
 class RemoteUnreachable(UserError):
     """The DVC remote of scaleout.yaml failed a transfer."""
 
-    hint = ("check `remote` in scaleout.yaml (url, endpointurl) and the remote's credentials in the environment "
-            "(AWS_ACCESS_KEY_ID, ...), then rerun: what is missing there is pushed then. Without `remote` the evolution "
-            "runs on this machine alone")
+    hint = (
+        "check `remote` in scaleout.yaml (url, endpointurl) and the remote's credentials in the environment "
+        "(AWS_ACCESS_KEY_ID, ...), then rerun: what is missing there is pushed then. Without `remote` the evolution "
+        "runs on this machine alone"
+    )
 
 
 @contextmanager
@@ -52,8 +54,10 @@ def remote_errors(remote: str, what: str):
     except RunCacheNotFoundError:
         raise
     except Exception as err:  # noqa: BLE001 - botocore, fsspec and DVC raise many kinds for an unreachable remote
-        raise RemoteUnreachable(f"{what}: the DVC remote {remote} failed ({type(err).__name__}: {str(err)[:300]}); "
-                                "nothing written in this workspace is lost") from err
+        raise RemoteUnreachable(
+            f"{what}: the DVC remote {remote} failed ({type(err).__name__}: {str(err)[:300]}); "
+            "nothing written in this workspace is lost"
+        ) from err
 
 
 def restore_from_run_cache(root: Path, name: str, remote: str | None = None) -> bool:
@@ -81,7 +85,10 @@ def restore_from_run_cache(root: Path, name: str, remote: str | None = None) -> 
 def push_stage(root: Path, name: str, remote: str) -> None:
     """Push the stage's outputs, its run-cache entry and the objects that entry names (the metrics DVC does
     not cache in the workspace, which `dvc push --run-cache` leaves behind) to the default remote."""
-    with dvc_repo(root) as repo, remote_errors(remote, f"{name}: pushing its outputs (kept here, recorded in dvc.lock)"):
+    with (
+        dvc_repo(root) as repo,
+        remote_errors(remote, f"{name}: pushing its outputs (kept here, recorded in dvc.lock)"),
+    ):
         repo.push(targets=[name])
         with repo.lock:
             runs = repo.stage_cache.push(None)

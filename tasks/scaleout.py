@@ -47,7 +47,7 @@ class Images(BaseModel):
     from it before it is built, and one built is pushed to it (`qevolve.envs.task_images`)."""
 
     @model_validator(mode="after")
-    def _a_registry(self) -> "Images":
+    def _a_registry(self) -> Images:
         try:
             registry_name(self.registry, "images.registry")
         except BadName as err:
@@ -63,9 +63,11 @@ class Scaleout(BaseModel):
     """Stage name (without `@k`) -> the Prefect work pool it runs on; a stage not named runs in the flow."""
 
     @model_validator(mode="after")
-    def _pools_need_a_remote(self) -> "Scaleout":
+    def _pools_need_a_remote(self) -> Scaleout:
         if self.pools and self.remote is None:
-            raise ValueError("pools: a stage on a work pool hands its artifacts over through a DVC remote; set remote.url")
+            raise ValueError(
+                "pools: a stage on a work pool hands its artifacts over through a DVC remote; set remote.url"
+            )
         return self
 
 
@@ -86,7 +88,10 @@ def load_settings(root: Path, stages: list[str] | None = None) -> Scaleout:
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     except ValidationError as err:
-        problems = [(".".join(map(str, e["loc"])) + ": " if e["loc"] else "") + e["msg"].removeprefix("Value error, ") for e in err.errors()]
+        problems = [
+            (".".join(map(str, e["loc"])) + ": " if e["loc"] else "") + e["msg"].removeprefix("Value error, ")
+            for e in err.errors()
+        ]
         raise ConfigError(f"{path}: {'; '.join(problems)}") from None
     unknown = sorted(set(settings.pools) - set(stages or settings.pools))
     if unknown:
@@ -99,7 +104,10 @@ def use_remote(root: Path, remote: Remote) -> None:
     from dvc.repo import Repo
 
     with Repo(str(root)) as repo, repo.config.edit("local") as conf:
-        conf["remote"]["qevolve"] = {"url": remote.url, **({"endpointurl": remote.endpointurl} if remote.endpointurl else {})}
+        conf["remote"]["qevolve"] = {
+            "url": remote.url,
+            **({"endpointurl": remote.endpointurl} if remote.endpointurl else {}),
+        }
         conf["core"]["remote"] = "qevolve"
 
 
@@ -124,7 +132,9 @@ def carried_files(root: Path, name: str) -> dict[str, str]:
     dvc.lock, and the stage's uncached inputs."""
     with dvc_repo(root) as repo:
         uncached = stage_inputs(repo, name)[1]
-    return {f: (root / f).read_text() for f in ("params.yaml", "dvc.yaml", "dvc.lock", *uncached) if (root / f).exists()}
+    return {
+        f: (root / f).read_text() for f in ("params.yaml", "dvc.yaml", "dvc.lock", *uncached) if (root / f).exists()
+    }
 
 
 CARRIED = re.compile(r"params\.yaml|dvc\.yaml|dvc\.lock|metrics/[A-Za-z0-9][A-Za-z0-9@._-]{0,99}\.json")
@@ -136,13 +146,20 @@ def worker_root(workspace: str) -> Path:
     `dispatch` sends: a flow-run parameter, so anything else is refused before anything is written."""
     if not isinstance(workspace, str) or not re.fullmatch(r"[0-9a-f]{16}", workspace):
         raise BadName(f"remote_stage: workspace {workspace!r} is not a workspace id (16 hexadecimal digits)")
-    return inside(Path(os.environ.get("QEVOLVE_WORKER_DIR") or Path.home() / ".qevolve" / "workers"), workspace, "remote_stage: workspace")
+    return inside(
+        Path(os.environ.get("QEVOLVE_WORKER_DIR") or Path.home() / ".qevolve" / "workers"),
+        workspace,
+        "remote_stage: workspace",
+    )
 
 
 def carried_path(root: Path, rel: str) -> Path:
     """Where a carried file goes in the worker's folder `root`: only the names `CARRIED` allows."""
     if not isinstance(rel, str) or not CARRIED.fullmatch(rel) or ".." in rel:
-        raise BadName(f"remote_stage: files: {rel!r} is not a file a stage carries (params.yaml, dvc.yaml, dvc.lock, metrics/*.json)")
+        raise BadName(
+            f"remote_stage: files: {rel!r} is not a file a stage carries (params.yaml, dvc.yaml, dvc.lock, "
+            f"metrics/*.json)"
+        )
     return root / rel
 
 
@@ -158,12 +175,22 @@ def dispatch(root: Path, stage: str, iteration: int | None, pool: str, remote: R
     with dvc_repo(root) as repo, remote_errors(remote.url, f"{name}: pushing its inputs for work pool {pool!r}"):
         repo.push(targets=stage_inputs(repo, name)[0])
     run = run_deployment(
-        f"{DEPLOYMENT}/{pool}", as_subflow=True, timeout=None,
-        parameters={"stage": stage, "iteration": iteration, "files": carried_files(root, name), "code": code_digest(root / SRC),
-                    "remote": remote.model_dump(), "workspace": hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16],
-                    "registry": registry},
+        f"{DEPLOYMENT}/{pool}",
+        as_subflow=True,
+        timeout=None,
+        parameters={
+            "stage": stage,
+            "iteration": iteration,
+            "files": carried_files(root, name),
+            "code": code_digest(root / SRC),
+            "remote": remote.model_dump(),
+            "workspace": hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16],
+            "registry": registry,
+        },
     )
     if not run.state.is_completed():
-        raise RuntimeError(f"{name}: its run on work pool {pool!r} ended {run.state.name} (flow run {run.id}: "
-                           f"{run.state.message or 'no message'}); rerun the evolution to start a new attempt")
+        raise RuntimeError(
+            f"{name}: its run on work pool {pool!r} ended {run.state.name} (flow run {run.id}: "
+            f"{run.state.message or 'no message'}); rerun the evolution to start a new attempt"
+        )
     return str(run.id)

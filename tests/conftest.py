@@ -9,7 +9,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # a busy 2-core machine needs more than 20 s
+os.environ.setdefault(
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120"
+)  # a busy 2-core machine needs more than 20 s
 _shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "alfworld" / "json_2.1.1_all_splits.tar.xz"
 if _shared.exists():
     os.environ.setdefault("QEVOLVE_ALFWORLD_ARCHIVE", str(_shared))

@@ -1,9 +1,10 @@
 """A stand-in for the `docker` command (tests/test_terminal.py): `image inspect`, `run`, `exec`, `rm -f`, `build`,
-`create`, `cp`, `tag`, `push` and `pull` (a registry: $FAKE_DOCKER_STATE/registry.json), each logged as a JSON line to $FAKE_DOCKER_LOG. A "container" is bubblewrap over the host's system with
-the `-v` folders (`:ro` read-only) and a PID namespace; `exec NAME bash -c 'kill -9 -1'` kills everything under its
-shell, as kill(-1) inside a container spares only PID 1; `rm -f` kills it. Images: $FAKE_DOCKER_IMAGES, and those
-`build` made: it fails where the Dockerfile has `RUN false`, else the image holds its context's files (not the
-Dockerfile) at its `WORKDIR`, which `create` + `cp` copy out."""
+`create`, `cp`, `tag`, `push` and `pull` (a registry: $FAKE_DOCKER_STATE/registry.json), each logged as a JSON line to
+$FAKE_DOCKER_LOG. A "container" is bubblewrap over the host's system with the `-v` folders (`:ro` read-only) and a PID
+namespace; `exec NAME bash -c 'kill -9 -1'` kills everything under its shell, as kill(-1) inside a container spares only
+PID 1; `rm -f` kills it. Images: $FAKE_DOCKER_IMAGES, and those `build` made: it fails where the Dockerfile has `RUN
+false`, else the image holds its context's files (not the Dockerfile) at its `WORKDIR`, which `create` + `cp` copy
+out."""
 
 import json
 import os
@@ -61,7 +62,9 @@ if argv[0] == "create":
     sys.exit(0)
 if argv[0] == "cp":
     context = Path(images[(state / "created").read_text()][0])
-    os.execvp("sh", ["sh", "-c", 'cp -a "$1"/. "$2" && rm -f "$2/Dockerfile"', "cp", str(context), argv[2]])  # special files as they are, like a tar
+    os.execvp(
+        "sh", ["sh", "-c", 'cp -a "$1"/. "$2" && rm -f "$2/Dockerfile"', "cp", str(context), argv[2]]
+    )  # special files as they are, like a tar
     sys.exit(0)
 if argv[0] == "run":
     name = argv[argv.index("--name") + 1]
@@ -70,12 +73,50 @@ if argv[0] == "run":
         parts = volume.split(":")
         volumes += ["--ro-bind" if parts[2:] == ["ro"] else "--bind", parts[0], parts[1]]
     (state / name).write_text(str(os.getpid()))
-    shell = argv[argv.index("bash"):]
-    binds = [a for prefix in dict.fromkeys([sys.prefix, sys.base_prefix]) for a in ("--ro-bind", prefix, prefix)]  # the image's python3
-    os.execvp("bwrap", ["bwrap", "--ro-bind", "/usr", "/usr", "--ro-bind", "/bin", "/bin", "--ro-bind", "/lib", "/lib", "--ro-bind-try", "/lib64",
-                        "/lib64", "--ro-bind", "/etc", "/etc", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", *binds,
-                        "--ro-bind", str(state / "bin"), "/image-bin", *volumes, "--chdir", argv[argv.index("-w") + 1],
-                        "--unshare-pid", "--die-with-parent", "--setenv", "PATH", "/image-bin:/usr/bin:/bin", *shell])
+    shell = argv[argv.index("bash") :]
+    binds = [
+        a for prefix in dict.fromkeys([sys.prefix, sys.base_prefix]) for a in ("--ro-bind", prefix, prefix)
+    ]  # the image's python3
+    os.execvp(
+        "bwrap",
+        [
+            "bwrap",
+            "--ro-bind",
+            "/usr",
+            "/usr",
+            "--ro-bind",
+            "/bin",
+            "/bin",
+            "--ro-bind",
+            "/lib",
+            "/lib",
+            "--ro-bind-try",
+            "/lib64",
+            "/lib64",
+            "--ro-bind",
+            "/etc",
+            "/etc",
+            "--dev",
+            "/dev",
+            "--proc",
+            "/proc",
+            "--tmpfs",
+            "/tmp",
+            *binds,
+            "--ro-bind",
+            str(state / "bin"),
+            "/image-bin",
+            *volumes,
+            "--chdir",
+            argv[argv.index("-w") + 1],
+            "--unshare-pid",
+            "--die-with-parent",
+            "--setenv",
+            "PATH",
+            "/image-bin:/usr/bin:/bin",
+            *shell,
+        ],
+    )
 if argv[0] == "exec" and argv[2:] == ["bash", "-c", "kill -9 -1"]:
     pid = int((state / argv[1]).read_text())
     shell = next(p for p in _descendants(pid) if _comm(p) == "bash")

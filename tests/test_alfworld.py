@@ -1,15 +1,17 @@
 import pytest
 
-from qevolve.envs.alfworld import AlfworldEnv, split_observation
-from qevolve.envs import select_tasks
 from qevolve.config import EnvConfig
+from qevolve.envs import select_tasks
+from qevolve.envs.alfworld import AlfworldEnv, split_observation
 from qevolve.stages.experts import demonstrate
 
 
 def test_standard_split_sizes(alfworld_data):
     env = AlfworldEnv(alfworld_data)
     assert {s: len(env.tasks(s)) for s in ("train", "valid_seen", "valid_unseen")} == {
-        "train": 3553, "valid_seen": 140, "valid_unseen": 134,
+        "train": 3553,
+        "valid_seen": 140,
+        "valid_unseen": 134,
     }
 
 
@@ -37,8 +39,12 @@ def test_train_tasks_set_aside_are_an_evaluation_split_no_draw_of_the_train_spli
     assert all((t.split, t.home) == ("heldout", "train") for t in aside)
     left = select_tasks(env, "train", cfg, 0, seed=0)
     assert len(left) == 208 and not {t.id for t in left} & {t.id for t in aside}
-    assert all(not {t.id for t in select_tasks(env, "train", cfg, 150, seed=s)} & {t.id for t in aside} for s in range(5))
-    assert len(select_tasks(env, "train", EnvConfig(task_types=["look_at_obj_in_light"]), 0, seed=0)) == 308, "off by default"
+    assert all(
+        not {t.id for t in select_tasks(env, "train", cfg, 150, seed=s)} & {t.id for t in aside} for s in range(5)
+    )
+    assert len(select_tasks(env, "train", EnvConfig(task_types=["look_at_obj_in_light"]), 0, seed=0)) == 308, (
+        "off by default"
+    )
     first_obs = env.reset(aside[0])  # its game is read from the train split's folder
     assert first_obs.instruction and first_obs.admissible
     with pytest.raises(ValueError, match="env.heldout: 308 is not fewer than the 308 train tasks"):
@@ -52,7 +58,11 @@ def test_a_demonstration_does_not_move_when_something_else_draws_from_the_global
     # Python's global `random` between its steps, as a Prefect thread made in a flow that played it in-process, must
     # not change what it does.
     env = AlfworldEnv(alfworld_data, expert="handcoded")
-    task = next(t for t in env.tasks("train") if t.id.startswith("pick_and_place_simple-TissueBox-None-Dresser-301/trial_T20190906_221513"))
+    task = next(
+        t
+        for t in env.tasks("train")
+        if t.id.startswith("pick_and_place_simple-TissueBox-None-Dresser-301/trial_T20190906_221513")
+    )
     quiet = [s.action for s in demonstrate(env, task, 30, seed=0).steps]
     step = env.step
 

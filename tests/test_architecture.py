@@ -13,8 +13,16 @@ FLOORS = (
     ("qevolve.errors", "qevolve.paths", "qevolve.environments", "qevolve.algos", "qevolve.lock", "qevolve.llm"),
     ("qevolve.config",),
     ("qevolve.data", "qevolve.models", "qevolve.envs"),
-    ("qevolve.training", "qevolve.rollout", "qevolve.policy_update", "qevolve.hierarchy", "qevolve.recipe", "qevolve.dvcfile",
-     "qevolve.stages", "qevolve.summary"),
+    (
+        "qevolve.training",
+        "qevolve.rollout",
+        "qevolve.policy_update",
+        "qevolve.hierarchy",
+        "qevolve.recipe",
+        "qevolve.dvcfile",
+        "qevolve.stages",
+        "qevolve.summary",
+    ),
     ("qevolve.methods",),
     ("qevolve.cli", "tasks"),
     ("flows",),
@@ -50,7 +58,9 @@ def imports(mods: dict[str, Path], root: Path = ROOT) -> dict[str, dict[str, str
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], *filter(None, [base])])
+                    base = ".".join(
+                        [*package.split(".")[: len(package.split(".")) - node.level + 1], *filter(None, [base])]
+                    )
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
             else:
                 continue
@@ -69,8 +79,12 @@ def floor(module: str) -> int:
 
 
 def upward(graph: dict[str, dict[str, str]]) -> list[str]:
-    return sorted(f"{where}: {a} (floor {floor(a)}) imports {b} (floor {floor(b)})"
-                  for a, edges in graph.items() for b, where in edges.items() if floor(b) > floor(a))
+    return sorted(
+        f"{where}: {a} (floor {floor(a)}) imports {b} (floor {floor(b)})"
+        for a, edges in graph.items()
+        for b, where in edges.items()
+        if floor(b) > floor(a)
+    )
 
 
 def circles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
@@ -125,8 +139,12 @@ def test_there_is_no_import_circle():
 
 def test_no_method_imports_another_methods_package():
     graph = imports(modules())
-    crossing = sorted(f"{where}: {a} imports {b}" for a, edges in graph.items() for b, where in edges.items()
-                      if method_of(a) and method_of(b) and method_of(a) != method_of(b))
+    crossing = sorted(
+        f"{where}: {a} imports {b}"
+        for a, edges in graph.items()
+        for b, where in edges.items()
+        if method_of(a) and method_of(b) and method_of(a) != method_of(b)
+    )
     assert crossing == []
 
 
@@ -140,14 +158,17 @@ def test_the_checks_find_what_they_look_for(tmp_path):
         "src/qevolve/methods/__init__.py": "",
         "src/qevolve/methods/a/__init__.py": "from qevolve.methods.b import x\n",
         "src/qevolve/methods/b/__init__.py": "x = 1\n",
-        "tasks/__init__.py": "", "flows/__init__.py": "",
+        "tasks/__init__.py": "",
+        "flows/__init__.py": "",
     }.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     graph = imports(modules(tmp_path), tmp_path)
     assert upward(graph) == ["src/qevolve/config.py:2: qevolve.config (floor 1) imports qevolve.models.base (floor 2)"]
     assert [describe(graph, c) for c in circles(graph)] == [
-        "qevolve.config -> qevolve.models.base (src/qevolve/config.py:2); qevolve.models.base -> qevolve.config (src/qevolve/models/base.py:1)"]
+        "qevolve.config -> qevolve.models.base (src/qevolve/config.py:2); qevolve.models.base -> qevolve.config "
+        "(src/qevolve/models/base.py:1)"
+    ]
     assert graph["qevolve.methods.a"] == {"qevolve.methods.b": "src/qevolve/methods/a/__init__.py:1"}
     with pytest.raises(AssertionError, match="on no floor"):
         floor("qevolve.nowhere")

@@ -10,8 +10,13 @@ from qevolve.rollout import play
 from tests.test_rollout import Corridor
 
 MODEL = ModelConfig(lora={"r": 4, "alpha": 8})
-OBS = ["You are in the middle of a room. You see a desk 1 and a shelf 2.", "You arrive at desk 1. On the desk 1, you see a book 1.",
-       "Nothing happens.", "You pick up the book 1 from the desk 1.", "You arrive at shelf 2. On the shelf 2, you see nothing."]
+OBS = [
+    "You are in the middle of a room. You see a desk 1 and a shelf 2.",
+    "You arrive at desk 1. On the desk 1, you see a book 1.",
+    "Nothing happens.",
+    "You pick up the book 1 from the desk 1.",
+    "You arrive at shelf 2. On the shelf 2, you see nothing.",
+]
 ACTS = ["Action: go to desk 1", "Action: look", "Action: take book 1 from desk 1", "Action: go to shelf 2"]
 
 
@@ -31,9 +36,17 @@ def test_cached_scores_and_generation_equal_full_reencoding(tiny_base):
     model, tok = load_policy(tiny_base, MODEL)
     builder = PromptBuilder(tok, 120)
     cands = [builder.action_ids(a) for a in ACTS]
-    cached, full = HFBackend(model.eval(), tok.pad_token_id, reuse=True, score_rows=3), HFBackend(model, tok.pad_token_id, reuse=False)
-    one_by_one = HFBackend(model, tok.pad_token_id, reuse=True, score_rows=1)  # each episode's candidates in a pass of its own
-    stop = lambda toks: len(toks) >= 5
+    cached, full = (
+        HFBackend(model.eval(), tok.pad_token_id, reuse=True, score_rows=3),
+        HFBackend(model, tok.pad_token_id, reuse=False),
+    )
+    one_by_one = HFBackend(
+        model, tok.pad_token_id, reuse=True, score_rows=1
+    )  # each episode's candidates in a pass of its own
+
+    def stop(toks):
+        return len(toks) >= 5
+
     for prompts in _conversations(builder):
         want = full.score([0, 1, 2], prompts, [cands, cands[:2], cands[1:]])
         for backend in (cached, one_by_one):
@@ -42,7 +55,9 @@ def test_cached_scores_and_generation_equal_full_reencoding(tiny_base):
             for g, w in zip(got, want):
                 assert torch.allclose(g, w, atol=1e-4)
         kw = dict(max_new_tokens=6, stop=stop, greedy=True, temperature=1.0)
-        assert [t for t, _ in cached.generate([0, 1, 2], prompts, **kw)] == [t for t, _ in full.generate([0, 1, 2], prompts, **kw)]
+        assert [t for t, _ in cached.generate([0, 1, 2], prompts, **kw)] == [
+            t for t, _ in full.generate([0, 1, 2], prompts, **kw)
+        ]
     # the budget is small enough that the history is truncated (a cache miss after the shared head)
     assert _conversations(builder)[-1][0] != _conversations(PromptBuilder(tok, 4096))[-1][0]
     assert cached.encoded_tokens < full.encoded_tokens
@@ -51,7 +66,10 @@ def test_cached_scores_and_generation_equal_full_reencoding(tiny_base):
 def test_generation_stops_at_the_end_of_the_action_line(tiny_base):
     model, tok = load_policy(tiny_base, MODEL)
     actor = Actor(model, tok, PromptBuilder(tok, 256), "free", temperature=1.0, max_new_tokens=8)
-    enc = lambda s: tok.encode(s, add_special_tokens=False)
+
+    def enc(s):
+        return tok.encode(s, add_special_tokens=False)
+
     assert actor.stop(enc("Thought: find the book.\nAction: go to desk 1\n"))
     assert not actor.stop(enc("Thought: find the book.\nAction: go to desk 1"))
     assert not actor.stop(enc("Action:\n"))
@@ -65,7 +83,9 @@ def test_rollouts_take_the_same_greedy_actions_with_and_without_reuse(tiny_base)
         for reuse in (True, False):
             actor = Actor(model, tok, PromptBuilder(tok, 120), mode, 1.0, 6, reuse_cache=reuse)
             env = Corridor()
-            trajs = play(lambda: env, env.tasks("valid_seen"), actor, max_steps=5, greedy=True, source="t", batch_size=2)
+            trajs = play(
+                lambda: env, env.tasks("valid_seen"), actor, max_steps=5, greedy=True, source="t", batch_size=2
+            )
             outputs.append([[s.output for s in t.steps] for t in trajs])
     assert outputs[0] == outputs[1] and outputs[2] == outputs[3]
 

@@ -12,27 +12,45 @@ from conftest import REPO
 from qevolve import paths
 from qevolve.config import ConfigError, ModelConfig, parse_params
 from qevolve.data.store import StepRecord, Trajectory
+from qevolve.methods.grpo.online import group_advantages
 from qevolve.models.critic import Critic
+from qevolve.models.device import pad_ids
 from qevolve.models.policy import BestOfN, load_policy
 from qevolve.models.prompt import PromptBuilder, format_action
-from qevolve.stages import iteration_stages, pipeline, run_stage
-from qevolve.methods.grpo.online import group_advantages
 from qevolve.rollout import another_round
-from qevolve.models.device import pad_ids
+from qevolve.stages import iteration_stages, pipeline, run_stage
 from tests.test_env_pipelines import _tiny
 
 
 def _traj(tid: str, task: str, rewards: list[float]) -> Trajectory:
-    steps = [StepRecord(step=i, observation="o", output="Action: look", action="look", next_observation="o", reward=r, done=False, won=False, valid=True)
-             for i, r in enumerate(rewards)]
+    steps = [
+        StepRecord(
+            step=i,
+            observation="o",
+            output="Action: look",
+            action="look",
+            next_observation="o",
+            reward=r,
+            done=False,
+            won=False,
+            valid=True,
+        )
+        for i, r in enumerate(rewards)
+    ]
     return Trajectory(tid, task, "t", "train", "policy@0", "do it", steps=steps)
 
 
 def test_group_advantages_match_hand_computed_values():
     # task a: returns 1, 0, 0, 0 -> mean 0.25, population std sqrt(0.1875) = 0.4330
     # task b: returns 0.5 and 0.5 -> all equal, advantage 0
-    trajs = [_traj("a1", "a", [0, 1]), _traj("a2", "a", [0, 0]), _traj("a3", "a", [0]), _traj("a4", "a", [0, 0, 0]),
-             _traj("b1", "b", [0.5]), _traj("b2", "b", [0.25, 0.25])]
+    trajs = [
+        _traj("a1", "a", [0, 1]),
+        _traj("a2", "a", [0, 0]),
+        _traj("a3", "a", [0]),
+        _traj("a4", "a", [0, 0, 0]),
+        _traj("b1", "b", [0.5]),
+        _traj("b2", "b", [0.25, 0.25]),
+    ]
     adv = group_advantages(trajs)
     assert adv[("a1", 0)] == adv[("a1", 1)] == pytest.approx(0.75 / 0.4330127, rel=1e-5)
     assert adv[("a2", 1)] == adv[("a4", 2)] == pytest.approx(-0.25 / 0.4330127, rel=1e-5)
@@ -57,12 +75,19 @@ def test_best_of_n_takes_the_action_the_critic_values_most(tiny_base):
     torch.manual_seed(0)
     torch.nn.init.normal_(critic.q.weight)  # heads start at zero: give Q something to tell apart
     builder = PromptBuilder(tok, 256)
-    prompts = [builder.prompt("put some book on shelf.", ["You arrive at desk 1. On the desk 1, you see a book 1."], []),
-               builder.prompt("examine the pen.", ["You are in the middle of a room."], [])]
-    admissible = [["look", "take book 1 from desk 1", "go to shelf 2", "inventory"], ["go to desk 1", "look", "examine pen 2"]]
+    prompts = [
+        builder.prompt("put some book on shelf.", ["You arrive at desk 1. On the desk 1, you see a book 1."], []),
+        builder.prompt("examine the pen.", ["You are in the middle of a room."], []),
+    ]
+    admissible = [
+        ["look", "take book 1 from desk 1", "go to shelf 2", "inventory"],
+        ["go to desk 1", "look", "examine pen 2"],
+    ]
     # N far above the number of candidates, from a flattened distribution (an untrained policy gives long
     # actions tiny probabilities), draws every one of them: the choice is then argmax Q over all.
-    actor = BestOfN(model, tok, builder, critic, n=200, temperature=1e3, batch_size=3, generator=torch.Generator().manual_seed(0))
+    actor = BestOfN(
+        model, tok, builder, critic, n=200, temperature=1e3, batch_size=3, generator=torch.Generator().manual_seed(0)
+    )
     chosen = actor.act(prompts, admissible, greedy=True)
     for p, acts, d in zip(prompts, admissible, chosen):
         seqs = [p + builder.action_ids(format_action(a)) for a in acts]
@@ -72,7 +97,9 @@ def test_best_of_n_takes_the_action_the_critic_values_most(tiny_base):
         best = max(range(len(acts)), key=lambda i: float(q[i, len(seqs[i]) - 1]))
         assert d.output == format_action(acts[best])
     # With N = 1 the single draw is taken whatever the critic says: the policy's own sampling.
-    one = BestOfN(model, tok, builder, critic, n=1, temperature=1e3, batch_size=3, generator=torch.Generator().manual_seed(1))
+    one = BestOfN(
+        model, tok, builder, critic, n=1, temperature=1e3, batch_size=3, generator=torch.Generator().manual_seed(1)
+    )
     draws = {one.act(prompts[:1], admissible[:1], greedy=True)[0].output for _ in range(40)}
     assert len(draws) > 1
 
@@ -85,14 +112,34 @@ def test_grpo_and_rerank_stages_run_and_update(tmp_path, monkeypatch, caplog):
     raw["rerank"] = {"best_of": 3}
     qevolve = parse_params(raw)
     # Near-uniform sampling, so the episodes of a group differ (some buy something) and GRPO has a signal.
-    grpo = parse_params({**raw, "rerank": {}, "policy": {**raw["policy"], "temperature": 50.0}, "method": "grpo", "evolve": {"iterations": 1}})
-    assert iteration_stages(qevolve) == ("collect", "relabel", "critic", "advantage", "policy", "diagnose", "rerank", "evaluate")
+    grpo = parse_params(
+        {
+            **raw,
+            "rerank": {},
+            "policy": {**raw["policy"], "temperature": 50.0},
+            "method": "grpo",
+            "evolve": {"iterations": 1},
+        }
+    )
+    assert iteration_stages(qevolve) == (
+        "collect",
+        "relabel",
+        "critic",
+        "advantage",
+        "policy",
+        "diagnose",
+        "rerank",
+        "evaluate",
+    )
     assert iteration_stages(grpo) == ("online", "evaluate")
     monkeypatch.chdir(tmp_path)
     metrics = {f"{stage}@{k}": run_stage(stage, qevolve, k) for stage, k in pipeline(qevolve, 1)}
     for split, m in metrics["rerank@1"].items():  # collect@1's env steps trained critic@1
         assert m["episodes"] == 2 and m["cumulative_env_steps"] == metrics["evaluate@1"][split]["cumulative_env_steps"]
-    bc = {n: t.clone() for n, t in load_policy(paths.BASE, qevolve.model, adapter=paths.BC, trainable=True)[0].state_dict().items()}
+    bc = {
+        n: t.clone()
+        for n, t in load_policy(paths.BASE, qevolve.model, adapter=paths.BC, trainable=True)[0].state_dict().items()
+    }
     online = run_stage("online", grpo, 1)
     # At most 6 x 4 = 24 steps a round, so a first round leaves more than half a round of 40 to spend.
     spent, rounds = online["env_steps"], online["rounds"]
@@ -130,8 +177,16 @@ def test_grpo_and_rerank_stages_run_and_update(tmp_path, monkeypatch, caplog):
         run_stage("online", grpo, 1)
     counted = []
     monkeypatch.setattr(online_module, "play_in", lambda *a, **k: counted.append(1) or real(*a, **k))
-    other = parse_params({**raw, "rerank": {}, "policy": {**raw["policy"], "temperature": 50.0}, "method": "grpo", "evolve": {"iterations": 1},
-                          "online": {**raw["online"], "seed": 7}})
+    other = parse_params(
+        {
+            **raw,
+            "rerank": {},
+            "policy": {**raw["policy"], "temperature": 50.0},
+            "method": "grpo",
+            "evolve": {"iterations": 1},
+            "online": {**raw["online"], "seed": 7},
+        }
+    )
     with caplog.at_level(logging.WARNING, logger="qevolve.methods.grpo.online"):
         assert run_stage("online", other, 1)["rounds"] == len(counted)
     assert "ignoring checkpoint" in caplog.text
@@ -151,9 +206,15 @@ def test_table_spec_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="--seeds: expected at least 1, got 0"):
         first_seeds(full, 0)
     cases = [
-        ({"rows": [{"name": "x", "workspace": "nope", "stage": "evaluate@0"}]}, "rows.0.workspace: unknown workspace 'nope'"),
+        (
+            {"rows": [{"name": "x", "workspace": "nope", "stage": "evaluate@0"}]},
+            "rows.0.workspace: unknown workspace 'nope'",
+        ),
         ({"rows": [{"name": "x", "workspace": "qevolve", "stage": "evaluate@3"}]}, "rows.0.stage"),
-        ({"workspaces": {"grpo": {**spec["workspaces"]["grpo"], "match_env_steps": "later"}}}, "workspaces.grpo.match_env_steps"),
+        (
+            {"workspaces": {"grpo": {**spec["workspaces"]["grpo"], "match_env_steps": "later"}}},
+            "workspaces.grpo.match_env_steps",
+        ),
     ]
     for change, message in cases:
         path = tmp_path / "spec.yaml"

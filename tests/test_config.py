@@ -3,9 +3,8 @@ import re
 import pytest
 import yaml
 
-from qevolve.config import ConfigError, load_params, methods
-
 from conftest import REPO
+from qevolve.config import ConfigError, load_params, methods
 
 
 def test_repository_params_load():
@@ -37,8 +36,15 @@ def _write(tmp_path, raw):
         ({"env": {"max_failure_ratio": 2}}, "env.max_failure_ratio"),
         ({"prompt": {"max_observation_tokens": 0}}, "prompt.max_observation_tokens"),
         ({"model": {"device": "gpu"}}, "model.device"),
-        ({"env": {"name": "textcraft", "task_types": ["depth9"]}, "policy": {"action_mode": "free"}, "experts": {"demos": {"planner": 1}},
-          "evaluate": {"splits": {"test": 0}}}, "env.task_types"),
+        (
+            {
+                "env": {"name": "textcraft", "task_types": ["depth9"]},
+                "policy": {"action_mode": "free"},
+                "experts": {"demos": {"planner": 1}},
+                "evaluate": {"splits": {"test": 0}},
+            },
+            "env.task_types",
+        ),
     ],
 )
 def test_bad_values_fail_naming_file_and_key(tmp_path, raw, key):
@@ -84,20 +90,32 @@ def test_a_cross_section_error_prints_its_message_not_the_whole_file(tmp_path):
     assert "got" not in message and "'env'" not in message  # not the whole parameters mapping
 
 
-@pytest.mark.parametrize("raw, message", [
-    ({"method": "qevolv"}, f"method: Value error, unknown method 'qevolv'; expected one of {methods()}"),
-    ({"evolve": {"method": "grpo"}}, "evolve.method: the method is now the top-level key `method` (e.g. `method: grpo`)"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"method": "qevolv"}, f"method: Value error, unknown method 'qevolv'; expected one of {methods()}"),
+        (
+            {"evolve": {"method": "grpo"}},
+            "evolve.method: the method is now the top-level key `method` (e.g. `method: grpo`)",
+        ),
+    ],
+)
 def test_the_method_is_one_of_the_method_packages(tmp_path, raw, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_params(_write(tmp_path, raw))
 
 
-@pytest.mark.parametrize("raw, message", [
-    ({"evaluate": {"splits": {"valid_seen": 2, "dev": 2}}}, "evaluate.splits: alfworld has no split(s) ['dev']"),
-    ({"collect": {"split": "test"}}, "collect.split: alfworld has no split(s) ['test']"),
-    ({"env": {"name": "textcraft"}, "policy": {"action_mode": "free"}, "experts": {"demos": {"planner": 1}}}, "evaluate.splits: textcraft has no split(s) ['valid_seen', 'valid_unseen']"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"evaluate": {"splits": {"valid_seen": 2, "dev": 2}}}, "evaluate.splits: alfworld has no split(s) ['dev']"),
+        ({"collect": {"split": "test"}}, "collect.split: alfworld has no split(s) ['test']"),
+        (
+            {"env": {"name": "textcraft"}, "policy": {"action_mode": "free"}, "experts": {"demos": {"planner": 1}}},
+            "evaluate.splits: textcraft has no split(s) ['valid_seen', 'valid_unseen']",
+        ),
+    ],
+)
 def test_split_names_are_checked_against_the_environment(tmp_path, raw, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_params(_write(tmp_path, raw))
@@ -115,5 +133,7 @@ def test_the_keys_a_stage_reads_are_recorded_and_checked_against_its_recipe():
     assert reads == {"bc.lr", "model.lora.r", "model.device", "evaluate.splits"}
     bc = next(s for s in SETUP if s.name == "bc")
     check_reads("bc", bc, reads - {"evaluate.splits"})  # bc, model.lora (a parent) and where it runs are declared
-    with pytest.raises(UndeclaredParams, match=r"stage bc read params \['evaluate.splits'\], which its recipe does not list"):
+    with pytest.raises(
+        UndeclaredParams, match=r"stage bc read params \['evaluate.splits'\], which its recipe does not list"
+    ):
         check_reads("bc", bc, reads)

@@ -4,14 +4,13 @@ import pytest
 import torch
 
 from qevolve.config import ModelConfig, Params, PolicyConfig
-from qevolve.methods.qevolve.config import CriticConfig
 from qevolve.data.store import StepRecord, Trajectory
-from qevolve.models.critic import Critic
+from qevolve.methods.qevolve.config import CriticConfig
+from qevolve.methods.qevolve.critic import critic_step, value_stats
+from qevolve.models.critic import Critic, critic_items, critic_values
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PromptBuilder
-from qevolve.models.critic import critic_items, critic_values
 from qevolve.policy_update import PolicyItem, policy_step, reference_pass
-from qevolve.methods.qevolve.critic import critic_step, value_stats
 from qevolve.training import train
 
 MODEL = ModelConfig(lora={"r": 8, "alpha": 16})
@@ -20,12 +19,16 @@ MODEL = ModelConfig(lora={"r": 8, "alpha": 16})
 def trajectory(i: int, won: bool) -> Trajectory:
     """Won episodes find the book on the desk; lost ones keep opening an empty cabinet."""
     t = Trajectory(f"t{i}", f"task{i}", "pick", "train", "policy@0", "put some book on sidetable.", won=won)
-    actions = ["go to desk 1", "take book 1 from desk 1"] if won else ["open cabinet 1", "open cabinet 1", "open cabinet 1"]
+    actions = (
+        ["go to desk 1", "take book 1 from desk 1"] if won else ["open cabinet 1", "open cabinet 1", "open cabinet 1"]
+    )
     seen = "You arrive at desk 1. On the desk 1, you see a book 1 and a pen 2." if won else "Nothing happens."
     obs = "You are in the middle of a room. Looking quickly around you, you see a cabinet 1, a desk 1."
     for step, a in enumerate(actions):
         last = step == len(actions) - 1
-        t.steps.append(StepRecord(step, obs, f"Action: {a}", a, seen, float(won and last), won and last, won and last, True))
+        t.steps.append(
+            StepRecord(step, obs, f"Action: {a}", a, seen, float(won and last), won and last, won and last, True)
+        )
         obs = seen
     return t
 
@@ -41,8 +44,15 @@ def test_critic_loss_falls_and_values_successful_steps_higher(tiny_base):
     items = critic_items(builder, DATA, weighted=True)
     cfg = CriticConfig(epochs=30, lr=3e-3, batch_size=8, micro_batch_size=4, warmup_ratio=0.0, gamma=0.9)
     q_head = critic.q.weight.detach().clone()
-    curve = train(critic, items, cfg, lambda it: len(it.window.ids), lambda mb: critic_step(critic, mb, cfg.gamma, cfg.expectile, tok.pad_token_id),
-                  "test", after_step=lambda: critic.update_target(cfg.target_rate))
+    curve = train(
+        critic,
+        items,
+        cfg,
+        lambda it: len(it.window.ids),
+        lambda mb: critic_step(critic, mb, cfg.gamma, cfg.expectile, tok.pad_token_id),
+        "test",
+        after_step=lambda: critic.update_target(cfg.target_rate),
+    )
     assert curve[-1]["loss"] < 0.5 * curve[0]["loss"]
     assert not torch.equal(critic.q.weight, q_head)
     assert not torch.equal(critic.q_target.weight, critic.q.weight)  # the target lags behind
@@ -73,8 +83,19 @@ def test_policy_step_moves_probability_with_the_advantage(tiny_base, algo):
             items.append(PolicyItem(w, False, torch.full((n,), 1.0 if t.won else -1.0)))
     for it, ref in zip(items, reference_pass(model, items, tok.pad_token_id, 4)):
         it.reference, it.behavior = ref, torch.stack([r.sum() for r in ref])
-    params = Params(policy=PolicyConfig(algo=algo, epochs=4, lr=5e-3, batch_size=16, micro_batch_size=8, warmup_ratio=0.0, kl_coef=0.01))
-    curve = train(model, items, params.policy, lambda it: len(it.window.ids), lambda mb: policy_step(model, mb, params, tok.pad_token_id), "test")
+    params = Params(
+        policy=PolicyConfig(
+            algo=algo, epochs=4, lr=5e-3, batch_size=16, micro_batch_size=8, warmup_ratio=0.0, kl_coef=0.01
+        )
+    )
+    curve = train(
+        model,
+        items,
+        params.policy,
+        lambda it: len(it.window.ids),
+        lambda mb: policy_step(model, mb, params, tok.pad_token_id),
+        "test",
+    )
     assert abs(curve[0]["ratio"] - 1.0) < 1e-4 and curve[0]["clip_fraction"] == 0.0  # reference = start
     assert curve[-1]["kl"] > 0
     after = reference_pass(model, items, tok.pad_token_id, 4)
@@ -116,7 +137,9 @@ def varied(i: int, desk: bool, won: bool) -> Trajectory:
     obs = f"You are in the middle of a room. You see a cabinet 1, a desk 1 and a {OBJECTS[(i + 3) % 8]} 2."
     for step, a in enumerate(actions):
         last = step == len(actions) - 1
-        t.steps.append(StepRecord(step, obs, f"Action: {a}", a, seen, float(won and last), won and last, won and last, True))
+        t.steps.append(
+            StepRecord(step, obs, f"Action: {a}", a, seen, float(won and last), won and last, won and last, True)
+        )
         obs = seen
     return t
 
@@ -152,15 +175,34 @@ def diagnosed(tmp_path, tiny_base, signal: bool, moved: bool) -> dict:
     critic = Critic(load_policy(tiny_base, MODEL)[0])
     items = critic_items(PromptBuilder(tok, 512), train_set, weighted=False)
     cfg = CriticConfig(epochs=20, lr=3e-3, batch_size=8, micro_batch_size=8, warmup_ratio=0.0, gamma=0.9)
-    train(critic, items, cfg, lambda it: len(it.window.ids), lambda mb: critic_step(critic, mb, cfg.gamma, cfg.expectile, tok.pad_token_id),
-          "test", after_step=lambda: critic.update_target(cfg.target_rate))
+    train(
+        critic,
+        items,
+        cfg,
+        lambda it: len(it.window.ids),
+        lambda mb: critic_step(critic, mb, cfg.gamma, cfg.expectile, tok.pad_token_id),
+        "test",
+        after_step=lambda: critic.update_target(cfg.target_rate),
+    )
     critic.save(tmp_path / "critic")
     (tmp_path / "critic" / PROMPT_FILE).write_text(prompt)
     write_store(tmp_path / "heldout", heldout)
-    params = parse_params({"model": {"lora": {"r": 8, "alpha": 16}, "context_tokens": 512}, "critic": {"micro_batch_size": 8},
-                           "policy": {"micro_batch_size": 8}})
-    return diagnose(params, tiny_base, tmp_path / "previous", tmp_path / "new", tmp_path / "critic", tmp_path / "heldout",
-                    tmp_path / "diagnose@1.json")
+    params = parse_params(
+        {
+            "model": {"lora": {"r": 8, "alpha": 16}, "context_tokens": 512},
+            "critic": {"micro_batch_size": 8},
+            "policy": {"micro_batch_size": 8},
+        }
+    )
+    return diagnose(
+        params,
+        tiny_base,
+        tmp_path / "previous",
+        tmp_path / "new",
+        tmp_path / "critic",
+        tmp_path / "heldout",
+        tmp_path / "diagnose@1.json",
+    )
 
 
 def test_the_diagnosis_warns_of_a_critic_without_contrast_and_an_update_that_did_nothing(tmp_path, tiny_base):
@@ -170,8 +212,13 @@ def test_the_diagnosis_warns_of_a_critic_without_contrast_and_an_update_that_did
     assert [w.split(":")[0] for w in blind["warnings"]] == ["the critic carries no contrast", "the update is a no-op"]
     seeing = diagnosed(tmp_path / "seeing", tiny_base, signal=True, moved=True)
     assert seeing["no_contrast"] == 0 and seeing["critic_auc_p"] < 0.05 and seeing["heldout_won"] == 16, seeing
-    # Won episodes saw the desk at step 1, lost ones "Nothing happens.": compared at the same step, the critic ranks them
-    assert seeing["critic_auc_matched"] > 0.8 and seeing["critic_matched_pairs"] > 0 and seeing["critic_auc_s0_p"] is not None
+    # Won episodes saw the desk at step 1, lost ones "Nothing happens.": compared at the same step, the critic ranks
+    # them
+    assert (
+        seeing["critic_auc_matched"] > 0.8
+        and seeing["critic_matched_pairs"] > 0
+        and seeing["critic_auc_s0_p"] is not None
+    )
     assert seeing["kl_previous_new"] > 1e-4 and seeing["kl_tokens"] > 0 and seeing["warnings"] == []
 
 
@@ -182,15 +229,22 @@ def test_a_critic_that_ranks_lost_above_won_or_sees_no_outcome_is_warned_of():
     low, high = [0.1 + i / 100 for i in range(20)], [0.6 + i / 100 for i in range(20)]
     inverted, right = auc(low, high), auc(high, low)
     assert useless(inverted) == 1 and contrast_warning(inverted, 40) == (
-        "the critic ranks lost above won: its AUC for won against lost held-out episodes is 0.00 (exact p 1.5e-11, 20 won, 20 lost), "
-        "below chance (0.5)")
+        "the critic ranks lost above won: its AUC for won against lost held-out episodes is 0.00 (exact p 1.5e-11, "
+        "20 won, 20 lost), "
+        "below chance (0.5)"
+    )
     assert useless(right) == 0 and contrast_warning(right, 40) is None
-    assert contrast_warning(auc([], [0.2]), 1) == "no held-out episode was won (of 1): the critic's contrast cannot be measured"
+    assert (
+        contrast_warning(auc([], [0.2]), 1)
+        == "no held-out episode was won (of 1): the critic's contrast cannot be measured"
+    )
     assert useless(auc([], [0.2])) == 1
     few = auc([0.9, 0.8, 0.7], [0.1] * 30)  # ties: only the top three are as extreme, p = 1 / C(33, 3)
     assert useless(few) == 1 and contrast_warning(few, 33) == (
-        "the critic's contrast cannot be told from chance: its AUC for won against lost held-out episodes is 1.00 (exact p 0.00018, "
-        "3 won, 30 lost), and at least 5 of each are needed")
+        "the critic's contrast cannot be told from chance: its AUC for won against lost held-out episodes is 1.00 "
+        "(exact p 0.00018, "
+        "3 won, 30 lost), and at least 5 of each are needed"
+    )
 
 
 def test_credit_assignment_is_read_where_episodes_are_alike():

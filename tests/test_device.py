@@ -11,7 +11,9 @@ from qevolve.config import ConfigError, ModelConfig, lineage_dump, parse_params
 from qevolve.models.device import DeviceError, resolve_device, resolve_dtype
 from qevolve.recipe import load_recipe
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine (CPU/CUDA parity needs one)")
+CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device on this machine (CPU/CUDA parity needs one)"
+)
 
 
 def test_device_settings_resolve(monkeypatch):
@@ -55,7 +57,9 @@ def test_bad_device_is_refused_at_load():
 
 def test_where_a_stage_computes_is_not_part_of_its_lineage():
     cpu = parse_params({"model": {"device": "cpu", "dtype": "auto"}, "evolve": {"iterations": 1}})
-    gpu = parse_params({"model": {"device": "cuda:0", "dtype": "auto"}, "train": {"processes": 4}, "evolve": {"iterations": 1}})
+    gpu = parse_params(
+        {"model": {"device": "cuda:0", "dtype": "auto"}, "train": {"processes": 4}, "evolve": {"iterations": 1}}
+    )
     assert lineage_dump(cpu) == lineage_dump(gpu)
     assert dvcfile.render(cpu) == dvcfile.render(gpu)
     assert "model.device" not in dvcfile.render(cpu) and "train" not in str(dvcfile.spec(cpu)["stages"]["bc"]["params"])
@@ -82,9 +86,12 @@ def test_cuda_scores_and_generates_as_the_cpu_does_with_kv_reuse(tiny_base):
     cpu, tok = _backends(tiny_base, "cpu")
     gpu, _ = _backends(tiny_base, "cuda")
     gpu.model.load_state_dict(cpu.model.state_dict())  # the same fresh adapter on both
-    prompts = [tok.encode("Your task is to: put some book on sidetable."), tok.encode("You arrive at desk 1. On the desk 1, you see a book 1.")]
+    prompts = [
+        tok.encode("Your task is to: put some book on sidetable."),
+        tok.encode("You arrive at desk 1. On the desk 1, you see a book 1."),
+    ]
     cands = [[tok.encode("Action: go to desk 1"), tok.encode("Action: look")]] * 2
-    for turn in range(3):  # later turns extend the prompts, so the slots' caches are reused
+    for _turn in range(3):  # later turns extend the prompts, so the slots' caches are reused
         a, b = cpu.score([0, 1], prompts, cands), gpu.score([0, 1], prompts, cands)
         assert all(torch.allclose(x, y, atol=1e-3) for x, y in zip(a, b))
         ga = cpu.generate([0, 1], prompts, max_new_tokens=6, stop=lambda t: False, greedy=True, temperature=1.0)
@@ -105,7 +112,9 @@ def test_cuda_gives_the_cpus_first_training_loss(tiny_base):
     for device in ("cpu", "cuda"):
         torch.manual_seed(0)
         model, tok = load_policy(tiny_base, ModelConfig(lora={"r": 4, "alpha": 8}, device=device, dtype="float32"))
-        ex = PromptBuilder(tok, 512).training_examples("find a key.", ["You are in the middle of a room."], ["Action: look"])
+        ex = PromptBuilder(tok, 512).training_examples(
+            "find a key.", ["You are in the middle of a room."], ["Action: look"]
+        )
         losses.append(bc_step(model, [ex], tok.pad_token_id)["loss"])
     assert losses[0] == pytest.approx(losses[1], abs=1e-4)
 
@@ -121,7 +130,9 @@ def test_no_model_ever_runs_hub_kernels(tiny_base, tmp_path, monkeypatch):
     from qevolve.models.policy import load_policy
 
     calls = []
-    monkeypatch.setattr(transformers.modeling_utils, "kernelize", lambda model, **kw: calls.append(type(model).__name__))
+    monkeypatch.setattr(
+        transformers.modeling_utils, "kernelize", lambda model, **kw: calls.append(type(model).__name__)
+    )
     cfg = ModelConfig(lora={"r": 4, "alpha": 8})
     policy, _ = load_policy(tiny_base, cfg)  # fresh adapter, trainable (bc, policy@k)
     policy.save_pretrained(tmp_path / "adapter")
@@ -148,8 +159,14 @@ def test_no_model_ever_runs_hub_kernels(tiny_base, tmp_path, monkeypatch):
 def test_the_bf16_peak_is_read_off_the_gpus_exact_model(monkeypatch):
     from qevolve.models import device as device_module
 
-    names = {"NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0, "NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H200": 989.0,
-             "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA GeForce RTX 4090": 0.0}
+    names = {
+        "NVIDIA H100 PCIe": 756.0,
+        "NVIDIA H100 NVL": 835.0,
+        "NVIDIA H100 80GB HBM3": 989.0,
+        "NVIDIA H200": 989.0,
+        "NVIDIA A100-SXM4-80GB": 312.0,
+        "NVIDIA GeForce RTX 4090": 0.0,
+    }
     for name, peak in names.items():
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d, name=name: name)
         assert device_module.peak_tflops(torch.device("cuda", 0)) == peak, name
@@ -166,9 +183,15 @@ def test_stages_that_never_compute_on_a_device_run_with_cuda_hidden(tmp_path, mo
     shutil.copy("params.yaml", tmp_path / "params.yaml")
     shutil.copy("dvc.yaml", tmp_path / "dvc.yaml")
     seen = {}
-    monkeypatch.setattr(cli, "run_stage", lambda stage, *a: seen.update({stage: os.environ.get("CUDA_VISIBLE_DEVICES")}) or {})
+    monkeypatch.setattr(
+        cli, "run_stage", lambda stage, *a: seen.update({stage: os.environ.get("CUDA_VISIBLE_DEVICES")}) or {}
+    )
     for stage, iteration in (("bc", []), ("experts", []), ("relabel", ["--iteration", "1"])):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
         assert cli.main(["run", stage, *iteration, "--params", str(tmp_path / "params.yaml")]) == 0
     assert seen == {"bc": "0,1", "experts": "", "relabel": ""}
-    assert {s.name for s in load_recipe("qevolve").stages(parse_params({})) if not s.accelerated} == {"experts", "base", "relabel"}
+    assert {s.name for s in load_recipe("qevolve").stages(parse_params({})) if not s.accelerated} == {
+        "experts",
+        "base",
+        "relabel",
+    }

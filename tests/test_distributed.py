@@ -10,17 +10,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from qevolve.lock import WorkspaceBusy, inherit_env, workspace_lock
-
 from conftest import REPO
+from qevolve.lock import WorkspaceBusy, inherit_env, workspace_lock
 
 WORKER = REPO / "benchmarks" / "ddp_train.py"
 
 
 def _train(tiny_base, out: Path, processes: int, *options: str, status: int = 0) -> dict | None:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else [sys.executable]
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+        if processes > 1
+        else [sys.executable]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*launcher, str(WORKER), str(tiny_base), str(out), *options], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [*launcher, str(WORKER), str(tiny_base), str(out), *options],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert (done.returncode == 0) == (status == 0), done.stderr[-3000:]
     return torch.load(out) if status == 0 else None
 
@@ -53,15 +62,22 @@ def test_a_model_sharded_across_two_processes_computes_the_same_updates_as_one(t
 
 def test_a_killed_sharded_run_resumes_from_its_checkpoint_to_the_same_result(tiny_base, tmp_path, one_process):
     checkpoint = tmp_path / "checkpoint.pt"
-    _train(tiny_base, tmp_path / "killed.pt", 2, "--shard", "--checkpoint", str(checkpoint), "--stop-after", "2", status=3)
+    _train(
+        tiny_base, tmp_path / "killed.pt", 2, "--shard", "--checkpoint", str(checkpoint), "--stop-after", "2", status=3
+    )
     assert len(torch.load(checkpoint, weights_only=False)["curve"]) == 1  # saved after step 1, killed in step 2
-    _assert_same_training(one_process, _train(tiny_base, tmp_path / "resumed.pt", 2, "--shard", "--checkpoint", str(checkpoint)),
-                          params_within=5e-6)
+    _assert_same_training(
+        one_process,
+        _train(tiny_base, tmp_path / "resumed.pt", 2, "--shard", "--checkpoint", str(checkpoint)),
+        params_within=5e-6,
+    )
 
 
 def _child_takes_lock(root: Path, env: dict) -> subprocess.CompletedProcess:
     code = f"from qevolve.lock import workspace_lock\nwith workspace_lock({str(root)!r}, 'child'):\n    print('inside')"
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_a_lock_holders_children_inherit_its_lock_and_no_one_else_does(tmp_path):
@@ -84,8 +100,17 @@ def test_lock_is_not_inherited_by_a_process_that_is_not_a_child(tmp_path, monkey
     # The token names this process itself, which is no ancestor of itself: another thread of work here
     # holding a stale token does not get in while a different process holds the lock.
     monkeypatch.setenv("QEVOLVE_LOCK_HELD", token["QEVOLVE_LOCK_HELD"])
-    holder = subprocess.Popen([sys.executable, "-c", f"from qevolve.lock import workspace_lock\nimport time\nwith workspace_lock({str(tmp_path)!r}, 'other'):\n    print('held', flush=True); time.sleep(30)"],
-                              stdout=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "QEVOLVE_LOCK_HELD"})
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from qevolve.lock import workspace_lock\nimport time\nwith workspace_lock({str(tmp_path)!r}, "
+            f"'other'):\n    print('held', flush=True); time.sleep(30)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "QEVOLVE_LOCK_HELD"},
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(WorkspaceBusy):
@@ -113,9 +138,12 @@ def test_a_sigkilled_orchestrator_takes_torchrun_and_its_ranks_with_it(tmp_path)
     import signal
 
     (tmp_path / "rank.py").write_text(RANK)
-    orchestrator = ("import os, sys; from qevolve.stages import run_ranks; "
-                    f"run_ranks([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', {str(tmp_path / 'rank.py')!r}], "
-                    "dict(os.environ))")
+    orchestrator = (
+        "import os, sys; from qevolve.stages import run_ranks; "
+        f"run_ranks([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', "
+        f"{str(tmp_path / 'rank.py')!r}], "
+        "dict(os.environ))"
+    )
     env = {**os.environ, "BEATS": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
     proc = subprocess.Popen([sys.executable, "-c", orchestrator], env=env, start_new_session=True)
     try:

@@ -39,12 +39,19 @@ def test_the_engine_scores_and_generates_as_reencoding_does_over_turns_with_reus
         engine = SlotEngine(model, tok.pad_token_id, score_rows=3)
         assert _agree(engine, reference, builder, slots) < 1e-5
         assert engine.encoded_tokens < reference.encoded_tokens / 3  # it did reuse
-    unmerged, _ = load_policy(tiny_base, MODEL)  # a fresh peft adapter, not merged: LoRA acts inside the engine's layers
+    unmerged, _ = load_policy(
+        tiny_base, MODEL
+    )  # a fresh peft adapter, not merged: LoRA acts inside the engine's layers
     with torch.no_grad():
         for name, p in unmerged.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
-    assert _agree(SlotEngine(unmerged.eval(), tok.pad_token_id), HFBackend(unmerged, tok.pad_token_id, reuse=False), builder) < 1e-5
+    assert (
+        _agree(
+            SlotEngine(unmerged.eval(), tok.pad_token_id), HFBackend(unmerged, tok.pad_token_id, reuse=False), builder
+        )
+        < 1e-5
+    )
 
 
 def test_a_llama_model_runs_on_the_engine_and_others_fall_back(tiny_base):
@@ -52,11 +59,25 @@ def test_a_llama_model_runs_on_the_engine_and_others_fall_back(tiny_base):
 
     _, tok = load_policy(tiny_base, MODEL)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok) + 64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512)
+    config = LlamaConfig(
+        vocab_size=len(tok) + 64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+    )
     llama = lora_model(LlamaForCausalLM(config), MODEL).eval()  # SmolLM2's architecture
     assert isinstance(rollout_engine(llama, tok.pad_token_id), SlotEngine)
-    assert _agree(SlotEngine(llama, tok.pad_token_id), HFBackend(llama, tok.pad_token_id, reuse=False), PromptBuilder(tok, 120)) < 1e-5
+    assert (
+        _agree(
+            SlotEngine(llama, tok.pad_token_id),
+            HFBackend(llama, tok.pad_token_id, reuse=False),
+            PromptBuilder(tok, 120),
+        )
+        < 1e-5
+    )
     assert type(rollout_engine(llama, tok.pad_token_id, reuse=False)) is HFBackend  # the re-encoding baseline
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -80,7 +101,9 @@ def test_the_decode_step_compiles_once_for_every_step_turn_and_batch(tiny_base):
     engine.reserve(3, 200)  # the buffer sized ahead, as a rollout stage does
     with torch._dynamo.config.patch(error_on_recompile=True):  # (monkeypatch's undo deletes dynamo's config entry)
         assert _agree(engine, HFBackend(model, tok.pad_token_id, reuse=False), builder) < 1e-5
-        engine.generate([1], _conversations(builder)[-1][1:2], max_new_tokens=6, stop=STOP, greedy=True, temperature=1.0)
+        engine.generate(
+            [1], _conversations(builder)[-1][1:2], max_new_tokens=6, stop=STOP, greedy=True, temperature=1.0
+        )
     assert counters["stats"]["unique_graphs"] == 1 and counters["stats"]["calls_captured"] > 100
     torch._dynamo.reset()
 
@@ -98,13 +121,18 @@ def test_a_rollout_stage_sizes_the_buffer_first_and_compiles_its_decode_step_onc
     from qevolve.rollout import play
     from tests.test_rollout import Corridor
 
-    raw = {"model": {"context_tokens": 300, "lora": {"r": 4, "alpha": 8}}, "policy": {"action_mode": "free", "max_new_tokens": 6}}
+    raw = {
+        "model": {"context_tokens": 300, "lora": {"r": 4, "alpha": 8}},
+        "policy": {"action_mode": "free", "max_new_tokens": 6},
+    }
     model = load_policy(tiny_base, parse_params(raw).model)[0]
     model.save_pretrained(tmp_path / "adapter")
     assert policy.compile_options(parse_params(raw), model) is None  # "auto", on a CPU
     raw["policy"]["compile"] = True
     real = policy.compile_options  # the real decision; only the compiler changes, to dynamo's eager backend
-    monkeypatch.setattr(policy, "compile_options", lambda p, m: None if real(p, m) is None else {**real(p, m), "backend": "eager"})
+    monkeypatch.setattr(
+        policy, "compile_options", lambda p, m: None if real(p, m) is None else {**real(p, m), "backend": "eager"}
+    )
     torch._dynamo.reset()
     counters.clear()
     backend, tok = policy.local_backend(parse_params(raw), tiny_base, tmp_path / "adapter", slots=3)
@@ -113,8 +141,19 @@ def test_a_rollout_stage_sizes_the_buffer_first_and_compiles_its_decode_step_onc
     env = Corridor()
     with torch._dynamo.config.patch(error_on_recompile=True):
         for greedy in (True, False):
-            trajs = play(lambda: env, env.tasks("valid_seen") * 2, actor, max_steps=30, greedy=greedy, source="p", batch_size=3, seed=1)
-            assert max(s.prompt_tokens for t in trajs for s in t.steps) > 256  # past the first block the buffer would grow by
+            trajs = play(
+                lambda: env,
+                env.tasks("valid_seen") * 2,
+                actor,
+                max_steps=30,
+                greedy=greedy,
+                source="p",
+                batch_size=3,
+                seed=1,
+            )
+            assert (
+                max(s.prompt_tokens for t in trajs for s in t.steps) > 256
+            )  # past the first block the buffer would grow by
     assert counters["stats"]["unique_graphs"] == 1 and counters["stats"]["calls_captured"] > 50
     torch._dynamo.reset()
     backend.reserve(3, 520)
@@ -162,11 +201,15 @@ def test_draw_inverts_the_cumulative_distribution(monkeypatch):
     import qevolve.models.backend as backend
 
     logits = torch.log(torch.tensor([[0.1, 0.2, 0.7]] * 4))
-    monkeypatch.setattr(backend, "uniforms", lambda seeds, step: torch.tensor([0.05, 0.15, 0.31, 0.999], dtype=torch.float64))
+    monkeypatch.setattr(
+        backend, "uniforms", lambda seeds, step: torch.tensor([0.05, 0.15, 0.31, 0.999], dtype=torch.float64)
+    )
     tokens, logp = draw(logits, False, 1.0, torch.zeros(4, dtype=torch.long), 0)
     assert tokens.tolist() == [0, 1, 2, 2]  # cumulative 0.1, 0.3, 1.0
     assert torch.allclose(logp, torch.log(torch.tensor([0.1, 0.2, 0.7, 0.7])))
-    tokens, logp = draw(torch.tensor([[0.0, 2.0, 1.0]]), True, 5.0, None, 0)  # greedy: the argmax, log-prob at temperature 1
+    tokens, logp = draw(
+        torch.tensor([[0.0, 2.0, 1.0]]), True, 5.0, None, 0
+    )  # greedy: the argmax, log-prob at temperature 1
     assert tokens.tolist() == [1] and torch.allclose(logp, torch.log_softmax(torch.tensor([0.0, 2.0, 1.0]), -1)[1:2])
 
 

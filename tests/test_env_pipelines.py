@@ -15,8 +15,11 @@ from qevolve.envs.webshop_data import write_synthetic
 from qevolve.profiles import resolve
 from qevolve.stages import pipeline, run_stage
 
-TINY_MODEL = {"embedded": {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab_size": 400},
-              "context_tokens": 384, "lora": {"r": 8, "alpha": 16}}
+TINY_MODEL = {
+    "embedded": {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab_size": 400},
+    "context_tokens": 384,
+    "lora": {"r": 8, "alpha": 16},
+}
 
 
 def test_every_profile_validates_and_the_alfworld_profile_is_params_yaml():
@@ -48,7 +51,9 @@ def _run_everything(profile, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     metrics = {f"{s}@{k}" if k is not None else s: run_stage(s, params, k) for s, k in pipeline(params, 1)}
     assert metrics["experts"]["success_rate"] == 1.0 and metrics["experts"]["env_failures"] == 0
-    assert metrics["experts"]["failures"] == {} and paths.details("experts").exists()  # per-task details beside, not in, the metrics
+    assert (
+        metrics["experts"]["failures"] == {} and paths.details("experts").exists()
+    )  # per-task details beside, not in, the metrics
     assert metrics["bc"]["loss"] < metrics["bc"]["first_loss"]
     hybrid = read_store(paths.hybrid(1))
     assert {t.source for t in hybrid} == {"expert", "policy@0"}

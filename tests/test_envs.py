@@ -35,6 +35,7 @@ def _standard(env: str) -> Path:
 
 # ---- TextCraft ----
 
+
 def test_textcraft_splits_are_fixed_disjoint_and_cover_every_goal():
     train, test = textcraft.list_tasks("train"), textcraft.list_tasks("test")
     assert (len(train), len(test)) == (345, 74)
@@ -86,7 +87,9 @@ def test_textcraft_admissible_actions_come_from_the_listing_and_the_inventory():
     assert len(crafts) == len(listed) and first.admissible[-1] == "inventory"
     # nothing held: the tag `planks` stands for its shallowest member; a listed line without tags is shown as is
     assert "craft 1 crafting table using 4 acacia planks" in crafts and "craft 4 oak planks using 1 oak logs" in crafts
-    assert "get 1 oak logs" in first.admissible and not any(a.startswith("get") and "planks" in a for a in first.admissible)
+    assert "get 1 oak logs" in first.admissible and not any(
+        a.startswith("get") and "planks" in a for a in first.admissible
+    )
     env.step("get 1 oak logs")
     held = env.step("craft 4 oak planks using 1 oak logs").admissible
     assert "craft 1 crafting table using 4 oak planks" in held  # the member held now names the tag
@@ -95,8 +98,13 @@ def test_textcraft_admissible_actions_come_from_the_listing_and_the_inventory():
 def test_textcraft_planner_handles_tags_variants_and_shared_ingredients():
     # sticks and the sign both need planks: each craft fetches what it lacks, in the count its recipe uses
     assert textcraft.plan("minecraft:oak_sign") == [
-        "get 1 oak logs", "craft 4 oak planks using 1 oak logs", "get 1 oak logs", "craft 4 oak planks using 1 oak logs",
-        "get 2 bamboo", "craft 1 stick using 2 bamboo", "craft 3 oak sign using 6 oak planks, 1 stick",
+        "get 1 oak logs",
+        "craft 4 oak planks using 1 oak logs",
+        "get 1 oak logs",
+        "craft 4 oak planks using 1 oak logs",
+        "get 2 bamboo",
+        "craft 1 stick using 2 bamboo",
+        "craft 3 oak sign using 6 oak planks, 1 stick",
     ]
     env = textcraft.TextCraftEnv()
     for goal in ("minecraft:crafting_table", "minecraft:red_banner", "minecraft:white_bed"):
@@ -119,6 +127,7 @@ def test_textcraft_planner_solves_every_goal():
 
 # ---- ScienceWorld ----
 
+
 def _sciworld_splits(tmp_path, monkeypatch, entries):
     folder = tmp_path / "sciworld"
     folder.mkdir()
@@ -139,7 +148,10 @@ def test_sciworld_standard_split_counts_follow_eto():
 
 def test_sciworld_bad_split_files_name_the_file(tmp_path, monkeypatch):
     _sciworld_splits(tmp_path, monkeypatch, [["task-1-boil", "seven"]])
-    with pytest.raises(ValueError, match=r"train_indices.json: entry 0 is \['task-1-boil', 'seven'\]; expected \[task name, variation\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"train_indices.json: entry 0 is \['task-1-boil', 'seven'\]; expected \[task name, variation\]",
+    ):
         scienceworld.list_tasks("train")
     monkeypatch.setenv("QEVOLVE_SPLITS", str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError, match="set QEVOLVE_SPLITS"):
@@ -152,7 +164,11 @@ def test_sciworld_task_types_are_checked_against_its_data(tmp_path, monkeypatch)
 
     _sciworld_splits(tmp_path, monkeypatch, [["task-1-boil", 0], ["task-3-find-non-living-thing", 1]])
     check_data(EnvConfig(name="scienceworld", task_types=["task-1-boil"]))
-    with pytest.raises(ValueError, match=r"env.task_types: scienceworld has no task type\(s\) \['task-1-boil-water'\].*'task-3-find-non-living-thing'"):
+    with pytest.raises(
+        ValueError,
+        match=r"env.task_types: scienceworld has no task type\(s\) "
+        r"\['task-1-boil-water'\].*'task-3-find-non-living-thing'",
+    ):
         check_data(EnvConfig(name="scienceworld", task_types=["task-1-boil-water"]))
 
 
@@ -164,7 +180,9 @@ def test_every_environment_spec_names_a_module_that_builds_and_checks_it():
     for name, spec in ENVIRONMENTS.items():
         module = adapter(name)
         assert callable(module.create) and callable(module.check_data), name
-        assert spec.intro.endswith(REPLY), name  # every prompt asks for actions alike (the hierarchy's roles cut it off)
+        assert spec.intro.endswith(REPLY), (
+            name
+        )  # every prompt asks for actions alike (the hierarchy's roles cut it off)
 
 
 def test_missing_environment_data_is_a_user_error_saying_where_it_is_read_from(tmp_path, monkeypatch):
@@ -173,9 +191,14 @@ def test_missing_environment_data_is_a_user_error_saying_where_it_is_read_from(t
     from qevolve.envs import MissingData, check_data
 
     monkeypatch.setenv("QEVOLVE_SPLITS", str(tmp_path / "nowhere"))
-    with pytest.raises(MissingData, match=rf"env.name scienceworld: {tmp_path}/nowhere/sciworld: no sciworld split files here") as err:
+    with pytest.raises(
+        MissingData, match=rf"env.name scienceworld: {tmp_path}/nowhere/sciworld: no sciworld split files here"
+    ) as err:
         check_data(EnvConfig(name="scienceworld"))
-    assert err.value.hint == "scienceworld reads the `scienceworld` package, and its split files in $QEVOLVE_SPLITS/sciworld"
+    assert (
+        err.value.hint
+        == "scienceworld reads the `scienceworld` package, and its split files in $QEVOLVE_SPLITS/sciworld"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +248,7 @@ def test_sciworld_gold_paths_win_variations_of_every_third_task_type(sciworld_en
 
 # ---- WebShop ----
 
+
 @pytest.fixture(scope="module")
 def shop(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("webshop")
@@ -244,7 +268,10 @@ def test_webshop_standard_split_counts_and_a_mismatched_catalogue(shop, tmp_path
     assert [len(json.loads((folder / f"{s}_indices.json").read_text())) for s in ("train", "test")] == [1824, 200]
     for name in webshop.FILES:  # the synthetic catalogue without its own splits: standard indices do not fit
         (tmp_path / name).write_text((shop / name).read_text())
-    with pytest.raises(webshop.WebShopDataError, match=r"are outside the 93 goals of .*the standard splits index the goals of the official files"):
+    with pytest.raises(
+        webshop.WebShopDataError,
+        match=r"are outside the 93 goals of .*the standard splits index the goals of the official files",
+    ):
         webshop.WebShopEnv(tmp_path).tasks("test")
 
 
@@ -255,7 +282,11 @@ def test_webshop_pages_rejections_and_the_expert(shop):
     assert first.text.startswith("WebShop [SEP] Instruction:") and first.admissible == [f"search[{first.instruction}]"]
     assert not env.step("click[buy now]").valid and not env.step("buy it").valid
     results = env.step(first.admissible[0])
-    assert results.valid and "Page 1 (Total results:" in results.observation and "click[back to search]" in results.admissible
+    assert (
+        results.valid
+        and "Page 1 (Total results:" in results.observation
+        and "click[back to search]" in results.admissible
+    )
     assert not env.step("search[again]").valid  # no search bar on a results page
     r, steps, valid = replay(env, task)
     assert r.won and r.reward == 1.0 and valid and steps >= 3
@@ -269,33 +300,78 @@ def test_webshop_expert_buys_every_synthetic_goal(shop):
 
 
 def _product(**kw):
-    base = dict(asin="B1", title="Acme Protein Bar - Gluten Free", category="food", query="protein bar",
-                product_category="Grocery › Snacks › Protein Bar", bullets=["Gluten free."], description="A protein bar.",
-                pricing=[20.0], price=20.0, options={"flavor": ["vanilla", "honey"], "size": ["pack of 12"]},
-                attributes=["gluten free", "low carb"])
+    base = dict(
+        asin="B1",
+        title="Acme Protein Bar - Gluten Free",
+        category="food",
+        query="protein bar",
+        product_category="Grocery › Snacks › Protein Bar",
+        bullets=["Gluten free."],
+        description="A protein bar.",
+        pricing=[20.0],
+        price=20.0,
+        options={"flavor": ["vanilla", "honey"], "size": ["pack of 12"]},
+        attributes=["gluten free", "low carb"],
+    )
     return webshop.Product(**{**base, **kw})
 
 
-GOAL = {"asin": "B1", "query": "protein bar", "name": "Acme Protein Bar - Gluten Free", "product_category": "Grocery › Snacks › Protein Bar",
-        "attributes": ["gluten free", "low carb"], "goal_options": ["vanilla", "pack of 12"], "price_upper": 30.0}
+GOAL = {
+    "asin": "B1",
+    "query": "protein bar",
+    "name": "Acme Protein Bar - Gluten Free",
+    "product_category": "Grocery › Snacks › Protein Bar",
+    "attributes": ["gluten free", "low carb"],
+    "goal_options": ["vanilla", "pack of 12"],
+    "price_upper": 30.0,
+}
 
 
-@pytest.mark.parametrize("product, options, expected", [
-    # all 2 attributes, 2 options and the price: 5/5
-    (_product(), {"flavor": "vanilla", "size": "pack of 12"}, 1.0),
-    # one option missing: (2 + 1 + 1) / 5
-    (_product(), {"flavor": "vanilla"}, 0.8),
-    # over the price ceiling and no options: (2 + 0 + 0) / 5
-    (_product(price=35.0), {}, 0.4),
-    # title score 1/5 ("bar"), saved by the category path (factor 1): 1 attribute, no option, price too high: 1/5
-    (_product(title="Nova Trail Mix Bar", query="trail mix", product_category="Grocery › Snacks › Trail Mix",
-              attributes=["gluten free"], bullets=[], description="", price=40.0), {}, 0.2),
-    # shares only the brand word (title score 1/5, not above 0.2, no query or category match: factor 0.5); price only: 0.5 * 1/5
-    (_product(title="Acme Office Chair", query="office chair", product_category="Home › Furniture", attributes=["metal frame"],
-              bullets=[], description=""), {}, 0.1),
-    # nothing of the title in common: factor 0
-    (_product(title="Zenith Desk Lamp", query="desk lamp", product_category="Home › Lighting"), {"flavor": "vanilla"}, 0.0),
-])
+@pytest.mark.parametrize(
+    "product, options, expected",
+    [
+        # all 2 attributes, 2 options and the price: 5/5
+        (_product(), {"flavor": "vanilla", "size": "pack of 12"}, 1.0),
+        # one option missing: (2 + 1 + 1) / 5
+        (_product(), {"flavor": "vanilla"}, 0.8),
+        # over the price ceiling and no options: (2 + 0 + 0) / 5
+        (_product(price=35.0), {}, 0.4),
+        # title score 1/5 ("bar"), saved by the category path (factor 1): 1 attribute, no option, price too high: 1/5
+        (
+            _product(
+                title="Nova Trail Mix Bar",
+                query="trail mix",
+                product_category="Grocery › Snacks › Trail Mix",
+                attributes=["gluten free"],
+                bullets=[],
+                description="",
+                price=40.0,
+            ),
+            {},
+            0.2,
+        ),
+        # shares only the brand word (title score 1/5, not above 0.2, no query or category match: factor 0.5); price
+        # only: 0.5 * 1/5
+        (
+            _product(
+                title="Acme Office Chair",
+                query="office chair",
+                product_category="Home › Furniture",
+                attributes=["metal frame"],
+                bullets=[],
+                description="",
+            ),
+            {},
+            0.1,
+        ),
+        # nothing of the title in common: factor 0
+        (
+            _product(title="Zenith Desk Lamp", query="desk lamp", product_category="Home › Lighting"),
+            {"flavor": "vanilla"},
+            0.0,
+        ),
+    ],
+)
 def test_webshop_reward_matches_hand_computed_values(product, options, expected):
     assert webshop.reward(product, GOAL, options) == pytest.approx(expected)
 
@@ -310,20 +386,47 @@ def test_webshop_colour_options_compare_by_base_colour():
 def test_webshop_loads_a_record_in_the_official_schema(tmp_path):
     """One product, written by hand with the fields of WebShop's items_shuffle_1000.json."""
     product = {
-        "asin": "B07XYZ1234", "name": "Organic Green Tea Bags, 100 Count", "category": "grocery", "query": "green tea",
-        "product_category": "Grocery & Gourmet Food › Beverages › Tea › Green", "pricing": "$12.99$18.50",
-        "small_description": "USDA organic\n100 tea bags ", "full_description": "Smooth organic green tea.",
-        "customization_options": {"Size": [{"value": "100 Count", "image": None}, {"value": "50/Pack", "image": None}],
-                                  "Flavor Name": None},
-        "images": ["https://example.invalid/1.jpg"], "average_rating": 4.5, "total_reviews": 12, "Reviews": [],
+        "asin": "B07XYZ1234",
+        "name": "Organic Green Tea Bags, 100 Count",
+        "category": "grocery",
+        "query": "green tea",
+        "product_category": "Grocery & Gourmet Food › Beverages › Tea › Green",
+        "pricing": "$12.99$18.50",
+        "small_description": "USDA organic\n100 tea bags ",
+        "full_description": "Smooth organic green tea.",
+        "customization_options": {
+            "Size": [{"value": "100 Count", "image": None}, {"value": "50/Pack", "image": None}],
+            "Flavor Name": None,
+        },
+        "images": ["https://example.invalid/1.jpg"],
+        "average_rating": 4.5,
+        "total_reviews": 12,
+        "Reviews": [],
     }
     (tmp_path / "items_shuffle_1000.json").write_text(json.dumps([product, {**product}]))  # a duplicate asin is skipped
-    (tmp_path / "items_ins_v2_1000.json").write_text(json.dumps({"B07XYZ1234": {"attributes": ["organic", "tea bags"]}}))
-    (tmp_path / "items_human_ins.json").write_text(json.dumps({"B07XYZ1234": [
-        {"asin": "B07XYZ1234", "instruction": "i want organic green tea bags in 100 count.",
-         "instruction_attributes": ["organic"], "instruction_options": ["100 count"]},
-        {"asin": "B07XYZ1234", "instruction": "no attributes", "instruction_attributes": [], "instruction_options": []},
-    ]}))
+    (tmp_path / "items_ins_v2_1000.json").write_text(
+        json.dumps({"B07XYZ1234": {"attributes": ["organic", "tea bags"]}})
+    )
+    (tmp_path / "items_human_ins.json").write_text(
+        json.dumps(
+            {
+                "B07XYZ1234": [
+                    {
+                        "asin": "B07XYZ1234",
+                        "instruction": "i want organic green tea bags in 100 count.",
+                        "instruction_attributes": ["organic"],
+                        "instruction_options": ["100 count"],
+                    },
+                    {
+                        "asin": "B07XYZ1234",
+                        "instruction": "no attributes",
+                        "instruction_attributes": [],
+                        "instruction_options": [],
+                    },
+                ]
+            }
+        )
+    )
     catalogue = webshop.load_catalogue(str(tmp_path))
     p = catalogue.products["B07XYZ1234"]
     assert len(catalogue.products) == 1 and p.pricing == [12.99, 18.5] and p.price_tag == "$12.99 to $18.5"

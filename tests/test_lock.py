@@ -19,7 +19,9 @@ def _pins() -> dict[str, Version]:
             continue
         req = Requirement(line)
         spec = list(req.specifier)
-        assert len(spec) == 1 and spec[0].operator == "==", f"constraints.txt:{number}: expected name==version, got {line!r}"
+        assert len(spec) == 1 and spec[0].operator == "==", (
+            f"constraints.txt:{number}: expected name==version, got {line!r}"
+        )
         name = canonicalize_name(req.name)
         assert name not in pins, f"constraints.txt:{number}: {req.name} pinned twice"
         pins[name] = Version(spec[0].version)
@@ -45,7 +47,9 @@ def test_the_lock_pins_every_dependency_at_a_version_pyproject_admits():
     for req in _requirements():
         name = canonicalize_name(req.name)
         assert name in pins, f"constraints.txt: no pin for {req} (pyproject.toml); run `make lock`"
-        assert req.specifier.contains(pins[name], prereleases=True), f"constraints.txt: {req.name}=={pins[name]}, but pyproject.toml asks {req}; run `make lock`"
+        assert req.specifier.contains(pins[name], prereleases=True), (
+            f"constraints.txt: {req.name}=={pins[name]}, but pyproject.toml asks {req}; run `make lock`"
+        )
 
 
 def test_the_environment_was_installed_under_the_lock():

@@ -34,7 +34,9 @@ def test_head_logprobs_in_chunks_equal_the_full_log_softmax_in_value_and_gradien
     targets = torch.randint(0, 11, (23,))
     full = torch.log_softmax(head(hidden).float(), -1).gather(-1, targets[:, None])[:, 0]
     (g_full,) = torch.autograd.grad(full.sum(), hidden)
-    chunked = head_logprobs(hidden, head, targets, chunk_elements=5 * 11)  # 5 positions a chunk: 5 chunks, the last of 3
+    chunked = head_logprobs(
+        hidden, head, targets, chunk_elements=5 * 11
+    )  # 5 positions a chunk: 5 chunks, the last of 3
     (g_chunked,) = torch.autograd.grad(chunked.sum(), hidden)
     assert torch.allclose(chunked, full, atol=1e-6) and torch.allclose(g_chunked, g_full, atol=1e-6)
     assert head_logprobs(hidden[:0], head, targets[:0]).shape == (0,)
@@ -51,8 +53,10 @@ def test_target_logprobs_equal_the_models_own_at_the_targets_and_keep_no_full_lo
     attn[2, 12:] = 0
     mask = torch.zeros_like(ids)
     mask[:, 6:12] = 1
-    ways = {"plain": lambda: token_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids) * mask[:, 1:],
-            "chunked": lambda: target_logprobs(model, ids, mask, attention_mask=attn)}
+    ways = {
+        "plain": lambda: token_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids) * mask[:, 1:],
+        "chunked": lambda: target_logprobs(model, ids, mask, attention_mask=attn),
+    }
     values, grads = {}, {}
     for name, way in ways.items():
         model.zero_grad()

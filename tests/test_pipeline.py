@@ -22,7 +22,11 @@ DVC = str(Path(sys.executable).with_name("dvc"))  # the venv's dvc, whether or n
 TINY = {
     "env": {"max_steps": 6},
     "experts": {"demos": {"handcoded": 2, "walkthrough": 3}, "workers": 2},
-    "model": {"embedded": {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab_size": 400}, "context_tokens": 256, "lora": {"r": 8, "alpha": 16}},
+    "model": {
+        "embedded": {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab_size": 400},
+        "context_tokens": 256,
+        "lora": {"r": 8, "alpha": 16},
+    },
     "bc": {"epochs": 2, "batch_size": 4},
     "evaluate": {"splits": {"valid_seen": 2, "valid_unseen": 1}, "batch_size": 3},
     "collect": {"num_tasks": 2, "samples_per_task": 2, "batch_size": 4},
@@ -86,7 +90,11 @@ def test_no_module_imports_a_stage():
     from qevolve.dvcfile import PACKAGE, _imports
 
     stages = set(_stage_modules().values())
-    assert "qevolve.stages.bc" in stages and "qevolve.methods.qevolve.critic" in stages and "qevolve.methods.grpo.online" in stages
+    assert (
+        "qevolve.stages.bc" in stages
+        and "qevolve.methods.qevolve.critic" in stages
+        and "qevolve.methods.grpo.online" in stages
+    )
     for f in sorted(PACKAGE.rglob("*.py")):
         module = "qevolve." + ".".join(f.relative_to(PACKAGE).with_suffix("").parts)
         found = (_imports(f, module_level_only=False) & stages) - {module}
@@ -99,29 +107,52 @@ def test_every_module_a_stage_imports_is_one_of_its_dvc_deps():
     from qevolve import dvcfile
 
     def loaded(code: str) -> set[str]:
-        listing = "\nimport sys\nprint('\\n'.join(m.__file__ for n, m in sys.modules.items() if n.startswith('qevolve')))"
+        listing = (
+            "\nimport sys\nprint('\\n'.join(m.__file__ for n, m in sys.modules.items() if n.startswith('qevolve')))"
+        )
         out = subprocess.run([sys.executable, "-c", code + listing], capture_output=True, text=True, check=True).stdout
-        return {str(Path(f).resolve().relative_to(REPO)) for f in out.split() if Path(f).stat().st_size}  # empty __init__ files aside
+        return {
+            str(Path(f).resolve().relative_to(REPO)) for f in out.split() if Path(f).stat().st_size
+        }  # empty __init__ files aside
 
     # Validating params.yaml builds `Params`, which imports every method's package and config
     # (`config.method_sections`) and what they import; they declare sections and stages this stage never
     # reads or runs (`check_reads` enforces that on every run), so they are no dep unless its own code reaches them.
     assembly = loaded("import qevolve.config; qevolve.config.params_model()") - loaded("import qevolve.config")
-    deps = {(m, name): set(s.get("do", s)["deps"]) for m, p in _method_params().items() for name, s in dvcfile.spec(p)["stages"].items()}
+    deps = {
+        (m, name): set(s.get("do", s)["deps"])
+        for m, p in _method_params().items()
+        for name, s in dvcfile.spec(p)["stages"].items()
+    }
     for stage, module in _stage_modules().items():
         own = f"src/qevolve/methods/{module.split('.')[2]}/" if module.startswith("qevolve.methods.") else None
         excused = {f for f in assembly if not (own and f.startswith(own))}
         found = loaded(f"import qevolve.cli, {module}") - excused
         assert found <= deps[stage], f"{stage}: dvc.yaml misses {sorted(found - deps[stage])}"
     # The gaps of the old hand-kept lists: the prompt builder's and the advantage reader's modules; the recipe.
-    assert {"src/qevolve/models/prompt.py", "src/qevolve/data/advantages.py", "src/qevolve/methods/qevolve/__init__.py"} <= deps["qevolve", "policy"]
+    assert {
+        "src/qevolve/models/prompt.py",
+        "src/qevolve/data/advantages.py",
+        "src/qevolve/methods/qevolve/__init__.py",
+    } <= deps["qevolve", "policy"]
     assert "src/qevolve/models/prompt.py" in deps["qevolve", "collect"]
-    assert not any("methods/qevolve" in d for d in deps["qevolve", "bc"])  # a method's recipe is no dep of the shared stages
+    assert not any(
+        "methods/qevolve" in d for d in deps["qevolve", "bc"]
+    )  # a method's recipe is no dep of the shared stages
     # A hierarchical stage depends on the method's section (its defaults) and on the shared hierarchy.
     for method in ("step_hrl", "multi2"):
-        assert {"src/qevolve/hierarchy/roles.py", "src/qevolve/hierarchy/config.py", f"src/qevolve/methods/{method}/config.py",
-                "src/qevolve/stages/hierarchical/bc.py"} <= deps[method, "bc"]
-        assert not any(f"methods/{other}/" in d for other in ("step_hrl", "multi2") if other != method for d in deps[method, "annotate"])
+        assert {
+            "src/qevolve/hierarchy/roles.py",
+            "src/qevolve/hierarchy/config.py",
+            f"src/qevolve/methods/{method}/config.py",
+            "src/qevolve/stages/hierarchical/bc.py",
+        } <= deps[method, "bc"]
+        assert not any(
+            f"methods/{other}/" in d
+            for other in ("step_hrl", "multi2")
+            if other != method
+            for d in deps[method, "annotate"]
+        )
 
 
 def test_a_stage_depends_on_its_own_environments_adapter_only():
@@ -132,7 +163,10 @@ def test_a_stage_depends_on_its_own_environments_adapter_only():
 
     for profile, own in (("alfworld", "alfworld.py"), ("textcraft", "textcraft.py"), ("webshop", "webshop.py")):
         stages = dvcfile.spec(load_params(REPO / "profiles" / f"{profile}.yaml"))["stages"]
-        envs = {stage: {d.rsplit("/", 1)[1] for d in s.get("do", s)["deps"] if d.startswith("src/qevolve/envs/")} for stage, s in stages.items()}
+        envs = {
+            stage: {d.rsplit("/", 1)[1] for d in s.get("do", s)["deps"] if d.startswith("src/qevolve/envs/")}
+            for stage, s in stages.items()
+        }
         adapters = {f"{name}.py" for name in ("alfworld", "scienceworld", "webshop", "textcraft", "terminal")}
         assert envs["experts"] & adapters == {own} and envs["evaluate"] & adapters == {own}, (profile, envs)
         assert not envs["base"] & adapters  # builds no environment
@@ -146,7 +180,10 @@ def test_dvc_params_deps_are_the_keys_the_file_sets():
 
     stages = lambda raw: dvcfile.spec(parse_params({"evolve": {"iterations": 1}, **raw}))["stages"]  # noqa: E731
     assert "prompt.max_observation_tokens" not in stages({})["collect"]["do"]["params"]
-    assert "prompt.max_observation_tokens" in stages({"prompt": {"max_observation_tokens": 512}})["collect"]["do"]["params"]
+    assert (
+        "prompt.max_observation_tokens"
+        in stages({"prompt": {"max_observation_tokens": 512}})["collect"]["do"]["params"]
+    )
     assert "src/qevolve/config.py" in stages({})["collect"]["do"]["deps"]
 
 
@@ -167,8 +204,16 @@ def _workspace(tmp_path, **extra):
 
 
 def _flow(ws, **kw):
-    return subprocess.Popen([sys.executable, "-m", "flows.evolve"], cwd=ws, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, env={**os.environ, "PYTHONPATH": str(ws)}, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.evolve"],
+        cwd=ws,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ws)},
+        **kw,
+    )
 
 
 def _finish(proc) -> str:
@@ -211,7 +256,12 @@ def test_flow_end_to_end_resumes_after_kill_and_leaves_dvc_clean(tmp_path, alfwo
     assert "policy: resuming from the checkpoint at step" in out
     assert _stages_run(out) == "stages run: policy@1, diagnose@1, evaluate@1"
     assert "iter 1" in out and "valid_seen" in out
-    assert "mlflow ui" in out and "runs?workflowType=machine_learning" in out and "dvc dag" in out and "prefect server start" in out
+    assert (
+        "mlflow ui" in out
+        and "runs?workflowType=machine_learning" in out
+        and "dvc dag" in out
+        and "prefect server start" in out
+    )
     status = subprocess.run([DVC, "status"], cwd=ws, capture_output=True, text=True, check=True).stdout
     assert "up to date" in status, status
 
@@ -236,17 +286,30 @@ def test_flow_end_to_end_resumes_after_kill_and_leaves_dvc_clean(tmp_path, alfwo
     assert listing[0].startswith("python==3.") and any(p.startswith("torch==") for p in listing)
     assert parent.data.tags["qevolve.packages_sha256"] == hashlib.sha256("\n".join(listing).encode()).hexdigest()
     here = json.loads(mlflow.artifacts.load_text(f"{parent.info.artifact_uri}/environment/machine.json"))
-    assert here["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and here["cpus"] >= 1 and here["gpus"] == []
+    assert (
+        here["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and here["cpus"] >= 1 and here["gpus"] == []
+    )
     assert parent.data.tags["qevolve.machine"].startswith(f"{here['cpu_model']}, {here['cpu_capability']} kernels, ")
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert sorted(r.info.status for r in children) == ["FINISHED", "KILLED", "KILLED"]
     child = next(r for r in children if r.info.status == "FINISHED")
     assert {"bc/loss", "evaluate/valid_seen/success_rate", "experts/success_rate"} <= set(parent.data.metrics)
-    assert {"critic/v_loss", "critic/v_mean_won", "policy/kl", "policy/clip_fraction", "collect/cumulative_env_steps",
-            "evaluate/valid_seen/success_rate", "advantage/raw_std"} <= set(child.data.metrics)
+    assert {
+        "critic/v_loss",
+        "critic/v_mean_won",
+        "policy/kl",
+        "policy/clip_fraction",
+        "collect/cumulative_env_steps",
+        "evaluate/valid_seen/success_rate",
+        "advantage/raw_std",
+    } <= set(child.data.metrics)
     client = mlflow.MlflowClient()
-    assert {"bc_adapter", "trajectories", "success_by_iteration.png"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"critic_adapter", "policy_adapter", "advantage_hist@1.png"} <= {a.path for a in client.list_artifacts(child.info.run_id)}
+    assert {"bc_adapter", "trajectories", "success_by_iteration.png"} <= {
+        a.path for a in client.list_artifacts(parent.info.run_id)
+    }
+    assert {"critic_adapter", "policy_adapter", "advantage_hist@1.png"} <= {
+        a.path for a in client.list_artifacts(child.info.run_id)
+    }
     text = mlflow.artifacts.load_text(f"runs:/{parent.info.run_id}/trajectories/evaluate@0.md")
     assert "Action:" in text
     credit = mlflow.artifacts.load_text(f"runs:/{child.info.run_id}/trajectories/credit@1.md")
@@ -281,7 +344,11 @@ def _results(ws) -> dict:
             return {k: strip(v) for k, v in d.items() if not any(t in k for t in TIMES)}
         return d
 
-    return {p.name: strip(json.loads(p.read_text())) for p in sorted((ws / "metrics").glob("*.json")) if "timing" not in p.name}
+    return {
+        p.name: strip(json.loads(p.read_text()))
+        for p in sorted((ws / "metrics").glob("*.json"))
+        if "timing" not in p.name
+    }
 
 
 @pytest.mark.slow
@@ -290,7 +357,10 @@ def test_kills_during_every_stage_kind_resume_to_the_same_results(tmp_path, alfw
     evaluate@1 (after diagnose@1). Rollout stages restart, training stages resume from their checkpoint; the finished
     evolution's metrics (curves included) equal those of an uninterrupted one exactly."""
     # rollout stages long enough (10-20 s) that a kill 3 s after the previous stage lands inside them
-    longer = {"collect": {**TINY["collect"], "num_tasks": 6}, "evaluate": {**TINY["evaluate"], "splits": {"valid_seen": 6, "valid_unseen": 4}}}
+    longer = {
+        "collect": {**TINY["collect"], "num_tasks": 6},
+        "evaluate": {**TINY["evaluate"], "splits": {"valid_seen": 6, "valid_unseen": 4}},
+    }
     clean = _workspace(tmp_path / "clean", **longer)
     _finish(_flow(clean))
     ws = _workspace(tmp_path / "killed", **longer)
@@ -317,7 +387,9 @@ def test_a_profile_runs_in_its_own_workspace_and_leaves_the_checkout_alone(tmp_p
     assert written["model"] == yaml.safe_load((REPO / "params.yaml").read_text())["model"]
     assert (root / ".dvc").is_dir() and (root / "src" / "qevolve" / "cli.py").exists()
     assert (root / "data" / "webshop-synthetic" / "items_human_ins.json").exists()
-    assert (tmp_path / "params.yaml").read_bytes() == (REPO / "params.yaml").read_bytes()  # nothing written outside runs/
+    assert (tmp_path / "params.yaml").read_bytes() == (
+        REPO / "params.yaml"
+    ).read_bytes()  # nothing written outside runs/
     from qevolve.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"no .*nosuch.yaml; expected one of \['alfworld', "):
@@ -329,7 +401,9 @@ def test_a_profile_runs_in_its_own_workspace_and_leaves_the_checkout_alone(tmp_p
     assert params["bc"]["lr"] == 0.0005 and params["evolve"]["iterations"] == 2
     with pytest.raises(ConfigError, match=r"bc.lr: Input should be greater than 0"):
         flows.evolve.experiment_workspace("textcraft", None, {"bc.lr": -1})
-    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(["webshop", tuned.name])  # nothing written for the bad one
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(
+        ["webshop", tuned.name]
+    )  # nothing written for the bad one
 
 
 def test_a_workspace_or_profile_name_cannot_leave_its_folder(tmp_path, monkeypatch):
@@ -350,9 +424,13 @@ def test_a_workspace_or_profile_name_cannot_leave_its_folder(tmp_path, monkeypat
     for profile in ("../params", "/etc/passwd", "../../x"):
         with pytest.raises(BadName, match="profile: "):
             flows.evolve.experiment_workspace(profile)
-    assert (tmp_path / "src" / "keep.py").read_text() == "x = 1\n" and sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["link"]
+    assert (tmp_path / "src" / "keep.py").read_text() == "x = 1\n" and sorted(
+        p.name for p in (tmp_path / "runs").iterdir()
+    ) == ["link"]
     assert flows.evolve.experiment_workspace("textcraft", name="my-run_1.b") == tmp_path / "runs" / "my-run_1.b"
-    assert flows.evolve.main(["--profile", "textcraft", "--workspace", ".."]) == 2  # the command line says why, no traceback
+    assert (
+        flows.evolve.main(["--profile", "textcraft", "--workspace", ".."]) == 2
+    )  # the command line says why, no traceback
 
 
 def test_the_experiment_forms_profile_is_a_menu_of_the_profiles_and_each_field_is_described():
@@ -377,7 +455,11 @@ def _copied_method(tmp_path, method: str, copy: str, own_section: bool) -> str:
         if f.name == "config.py" and not own_section:
             f.unlink()
         elif own_section:
-            f.write_text(f.read_text().replace(f"qevolve.methods.{method}", f"qevolve.methods.{copy}").replace(f'"{method}', f'"{copy}'))
+            f.write_text(
+                f.read_text()
+                .replace(f"qevolve.methods.{method}", f"qevolve.methods.{copy}")
+                .replace(f'"{method}', f'"{copy}')
+            )
         else:
             f.write_text(f.read_text().replace(f'Recipe("{method}"', f'Recipe("{copy}"'))
     code = (
@@ -387,11 +469,21 @@ def _copied_method(tmp_path, method: str, copy: str, own_section: bool) -> str:
         f"p = parse_params({{'method': '{copy}', 'evolve': {{'iterations': 2}}}})\n"
         "stages = dvcfile.spec(p)['stages']\n"
         "print(methods())\n"
-        "print({n: [d for d in s.get('do', s)['deps'] if 'methods/' in d or 'hierarchical/' in d] for n, s in stages.items()})\n"
+        "print({n: [d for d in s.get('do', s)['deps'] if 'methods/' in d or 'hierarchical/' in d] for n, s in "
+        "stages.items()})\n"
         "print(pipeline(p))\n"
     )
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path / "src")},
-                          capture_output=True, text=True, check=True).stdout.strip().splitlines()
+    return (
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONPATH": str(tmp_path / "src")},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        .stdout.strip()
+        .splitlines()
+    )
 
 
 def test_a_method_is_its_package(tmp_path):
@@ -402,9 +494,13 @@ def test_a_method_is_its_package(tmp_path):
 
     listed, deps, order = _copied_method(tmp_path, "grpo", "grpo_copy", own_section=False)
     assert listed == str(sorted([*methods(), "grpo_copy"]))
-    assert eval(deps)["online"] == ["src/qevolve/methods/__init__.py", "src/qevolve/methods/grpo/__init__.py",
-                                    "src/qevolve/methods/grpo/config.py", "src/qevolve/methods/grpo_copy/__init__.py",
-                                    "src/qevolve/methods/grpo_copy/online.py"]
+    assert eval(deps)["online"] == [
+        "src/qevolve/methods/__init__.py",
+        "src/qevolve/methods/grpo/__init__.py",
+        "src/qevolve/methods/grpo/config.py",
+        "src/qevolve/methods/grpo_copy/__init__.py",
+        "src/qevolve/methods/grpo_copy/online.py",
+    ]
     assert eval(order)[3:] == [("evaluate", 0), ("online", 1), ("evaluate", 1), ("online", 2), ("evaluate", 2)]
 
 
@@ -417,11 +513,20 @@ def test_a_hierarchical_method_is_its_package_too(tmp_path):
     listed, deps, order = _copied_method(tmp_path, "step_hrl", "hrl_copy", own_section=True)
     deps = eval(deps)
     assert listed == str(sorted([*methods(), "hrl_copy"]))
-    assert "src/qevolve/methods/hrl_copy/config.py" in deps["annotate"] and "src/qevolve/stages/hierarchical/annotate.py" in deps["annotate"]
+    assert (
+        "src/qevolve/methods/hrl_copy/config.py" in deps["annotate"]
+        and "src/qevolve/stages/hierarchical/annotate.py" in deps["annotate"]
+    )
     assert not any("methods/step_hrl" in d for stage in deps.values() for d in stage)
     assert {"src/qevolve/methods/hrl_copy/__init__.py", "src/qevolve/methods/hrl_copy/policy.py"} <= set(deps["policy"])
-    assert eval(order) == [("experts", None), ("base", None), ("annotate", None), ("bc", None), ("evaluate", 0),
-                           *[(s, k) for k in (1, 2) for s in ("collect", "critic", "policy", "diagnose", "evaluate")]]
+    assert eval(order) == [
+        ("experts", None),
+        ("base", None),
+        ("annotate", None),
+        ("bc", None),
+        ("evaluate", 0),
+        *[(s, k) for k in (1, 2) for s in ("collect", "critic", "policy", "diagnose", "evaluate")],
+    ]
 
 
 def test_each_method_iterates_in_a_sub_flow_of_its_own_name_described_by_its_algorithm():
@@ -430,7 +535,9 @@ def test_each_method_iterates_in_a_sub_flow_of_its_own_name_described_by_its_alg
 
     grpo = flows.evolve.method_iteration(parse_params({"method": "grpo"}))
     assert grpo.name == "grpo-iteration" and grpo.description.startswith("The online RL baseline: GRPO")
-    assert flows.evolve.method_iteration(parse_params({})).description.startswith("Q-Evolve (arXiv 2606.07367), Algorithm 1")
+    assert flows.evolve.method_iteration(parse_params({})).description.startswith(
+        "Q-Evolve (arXiv 2606.07367), Algorithm 1"
+    )
 
 
 def test_every_source_file_is_a_code_dep_of_some_methods_dvc_yaml():
@@ -442,7 +549,11 @@ def test_every_source_file_is_a_code_dep_of_some_methods_dvc_yaml():
 
     params = [*_method_params().values(), *(load_params(f) for f in sorted((REPO / "profiles").glob("*.yaml")))]
     deps = {d for p in params for s in dvcfile.spec(p)["stages"].values() for d in s.get("do", s)["deps"]}
-    files = {f"src/qevolve/{f.relative_to(dvcfile.PACKAGE).as_posix()}" for f in dvcfile.PACKAGE.rglob("*.py") if f.stat().st_size}
+    files = {
+        f"src/qevolve/{f.relative_to(dvcfile.PACKAGE).as_posix()}"
+        for f in dvcfile.PACKAGE.rglob("*.py")
+        if f.stat().st_size
+    }
     # command-line tools no stage runs: a synthetic WebShop catalogue for tests; `qevolve terminal-import`, which
     # writes task folders that are then an env.data_dir (a DVC-tracked input like any other data); `qevolve summary`,
     # which prints what the stages wrote

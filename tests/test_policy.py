@@ -1,10 +1,9 @@
 import torch
 
-from qevolve.config import ModelConfig
+from qevolve.config import BCConfig, ModelConfig
 from qevolve.models.backend import HFBackend
 from qevolve.models.policy import Actor, load_policy, save_adapters
 from qevolve.models.prompt import PromptBuilder
-from qevolve.config import BCConfig
 from qevolve.stages.bc import bc_step
 from qevolve.training import train
 
@@ -14,7 +13,10 @@ MODEL = ModelConfig(lora={"r": 8, "alpha": 16})
 def test_batched_candidate_scores_equal_one_sequence_at_a_time(tiny_base):
     model, tok = load_policy(tiny_base, MODEL)
     model.eval()
-    enc = lambda s: tok.encode(s, add_special_tokens=False)
+
+    def enc(s):
+        return tok.encode(s, add_special_tokens=False)
+
     prompts = [enc("You arrive at desk 1. On the desk 1, you see a book 1."), enc("Nothing happens.")]
     cands = [[enc("Action: take book 1"), enc("Action: go to cabinet 1"), enc("Action: look")], [enc("Action: look")]]
     scores = HFBackend(model, tok.pad_token_id, reuse=False).score([0, 1], prompts, cands)
@@ -64,16 +66,23 @@ def test_an_adapter_loaded_for_inference_is_merged_and_acts_the_same(tiny_base, 
     merged, _ = load_policy(tiny_base, MODEL, adapter=tmp_path)
     assert not any("lora" in n for n, _ in merged.named_parameters())
     builder = PromptBuilder(tok, 512)
-    prompt = builder.prompt("put some book on sidetable.", ["You arrive at desk 1. On the desk 1, you see a book 1."], [])
+    prompt = builder.prompt(
+        "put some book on sidetable.", ["You arrive at desk 1. On the desk 1, you see a book 1."], []
+    )
     base, _ = load_policy(tiny_base, MODEL)
     with torch.no_grad():
-        want, got = peft_model.eval()(input_ids=torch.tensor([prompt])).logits, merged(input_ids=torch.tensor([prompt])).logits
+        want, got = (
+            peft_model.eval()(input_ids=torch.tensor([prompt])).logits,
+            merged(input_ids=torch.tensor([prompt])).logits,
+        )
         assert (want - base.eval()(input_ids=torch.tensor([prompt])).logits).abs().max() > 0.1  # the adapter matters
     assert torch.allclose(want, got, atol=1e-4)
     acts = ["go to desk 1", "go to cabinet 1", "take book 1 from desk 1", "look"]
     for mode in ("admissible", "free"):
-        a, b = (Actor(m, tok, builder, mode, temperature=1.0, max_new_tokens=8).act([prompt], [acts], greedy=True)[0]
-                for m in (peft_model, merged))
+        a, b = (
+            Actor(m, tok, builder, mode, temperature=1.0, max_new_tokens=8).act([prompt], [acts], greedy=True)[0]
+            for m in (peft_model, merged)
+        )
         assert a.output == b.output and abs(a.logp - b.logp) < 1e-4
 
 
@@ -90,7 +99,9 @@ def test_bc_step_lowers_loss_and_changes_only_the_adapter(tiny_base):
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     assert any("lora_" in n for n in trainable)
     cfg = BCConfig(epochs=5, lr=1e-2, batch_size=8, micro_batch_size=1, warmup_ratio=0.0)
-    curve = train(model, examples, cfg, lambda e: len(e[0]), lambda micro: bc_step(model, micro, tok.pad_token_id), "test")
+    curve = train(
+        model, examples, cfg, lambda e: len(e[0]), lambda micro: bc_step(model, micro, tok.pad_token_id), "test"
+    )
     assert len(curve) == 5 and curve[-1]["loss"] < curve[0]["loss"]
     params = dict(model.named_parameters())
     assert any(not torch.equal(params[n], v) for n, v in trainable.items() if "lora_B" in n)
@@ -100,6 +111,7 @@ def test_bc_step_lowers_loss_and_changes_only_the_adapter(tiny_base):
 def test_a_fresh_adapter_depends_on_its_seed_alone(tiny_base):
     """The BC stages' starting adapter: torch 2.13 seeds its global generator differently in each process, and a
     flow's earlier stages move it, so the adapter must not be drawn from whatever state it is in."""
+
     def lora_a(seed, state_before):
         torch.manual_seed(state_before)
         model, _ = load_policy(tiny_base, MODEL, seed=seed)
@@ -114,6 +126,7 @@ def test_a_saved_adapter_config_does_not_depend_on_set_order(tiny_base, tmp_path
     """peft holds `target_modules` ("all-linear" resolved) as a set and writes it in the set's order, which string
     hashing changes from process to process: the same adapter got two DVC hashes. Two iteration orders stand in
     for two processes."""
+
     class Ordered(set):
         def __init__(self, items=()):
             super().__init__(items)
@@ -140,7 +153,8 @@ def test_packed_bc_loss_equals_padded_loss(tiny_base):
     model, tok = load_policy(tiny_base, MODEL)
     builder = PromptBuilder(tok, 512)
     examples = builder.training_examples(
-        "put some book on sidetable.", ["You are in the middle of a room.", "You arrive at desk 1."],
+        "put some book on sidetable.",
+        ["You are in the middle of a room.", "You arrive at desk 1."],
         ["Action: go to desk 1", "Action: take book 1 from desk 1"],
     ) + builder.training_examples("examine the book.", ["You are in a room."], ["Action: look"])
     from qevolve.training import packed_rows

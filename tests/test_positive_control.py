@@ -3,13 +3,13 @@ demonstrations, an update on the experts' store alone, and the constant-advantag
 
 import pytest
 import torch
+from test_env_pipelines import _tiny
 
 from qevolve import paths
 from qevolve.config import ConfigError, parse_params
 from qevolve.data.advantages import read_advantages
 from qevolve.data.store import read_store
 from qevolve.stages import pipeline, run_stage
-from test_env_pipelines import _tiny
 
 
 def _control_params(tmp_path, constant: bool):
@@ -37,7 +37,9 @@ def test_an_update_on_demonstrations_and_corrupted_failures(tmp_path, monkeypatc
     assert metrics["experts"]["corrupted_episodes"] == 6 and len(corrupted) == metrics["experts"]["corrupted_kept"] >= 1
     assert not any(t.won for t in corrupted) and all(len(t.steps) <= 6 for t in corrupted)
     by_task = {t.task_id: [s.action for s in t.steps] for t in demos}
-    assert any([s.action for s in t.steps] != by_task[t.task_id][: len(t.steps)] for t in corrupted), "random actions replaced some"
+    assert any([s.action for s in t.steps] != by_task[t.task_id][: len(t.steps)] for t in corrupted), (
+        "random actions replaced some"
+    )
     # the update's data set is the experts' store alone: no collected episode
     assert {t.source for t in read_store(paths.hybrid(1))} == {"expert", "corrupted"}
     advantages = read_advantages(paths.advantages(1))
@@ -45,7 +47,9 @@ def test_an_update_on_demonstrations_and_corrupted_failures(tmp_path, monkeypatc
     assert metrics["advantage@1"]["constant"] is constant
     if constant:  # BPPO's weight is A: 1 on every step, the update is clipped behaviour cloning on the same windows
         assert torch.all(values == 1.0)
-        assert metrics["policy@1"]["weight_off_one_share"] == 0.0 and metrics["policy@1"]["weight_mean"] == pytest.approx(1.0)
+        assert metrics["policy@1"]["weight_off_one_share"] == 0.0 and metrics["policy@1"][
+            "weight_mean"
+        ] == pytest.approx(1.0)
     else:  # normalised GAE advantages: the weights differ from 1 on most tokens
         assert values.std() > 0.5 and metrics["policy@1"]["weight_off_one_share"] > 0.5
 
@@ -53,7 +57,9 @@ def test_an_update_on_demonstrations_and_corrupted_failures(tmp_path, monkeypatc
 def test_corrupted_episodes_need_a_listing_environment_and_stay_within_the_draw(tmp_path):
     raw = _tiny("textcraft", tmp_path)
     raw["experts"]["corrupt"] = {"episodes": 7}
-    with pytest.raises(ConfigError, match=r"experts.corrupt.episodes: 7 is more than the 6 tasks the experts draw|corrupt.episodes: 7"):
+    with pytest.raises(
+        ConfigError, match=r"experts.corrupt.episodes: 7 is more than the 6 tasks the experts draw|corrupt.episodes: 7"
+    ):
         parse_params(raw)
     raw["experts"]["corrupt"] = {"episodes": 2, "expert": "nobody"}
     with pytest.raises(ConfigError, match="corrupt.expert: 'nobody' is not one of the experts"):
@@ -61,15 +67,21 @@ def test_corrupted_episodes_need_a_listing_environment_and_stay_within_the_draw(
 
 
 @pytest.mark.parametrize("constant", [False, True])
-def test_step_hrl_learns_from_the_experts_store_alone_and_its_control_weighs_every_output_one(tmp_path, monkeypatch, constant,
-                                                                                                alfworld_data):
+def test_step_hrl_learns_from_the_experts_store_alone_and_its_control_weighs_every_output_one(
+    tmp_path, monkeypatch, constant, alfworld_data
+):
     # ALFWorld: its rule annotator cuts failed episodes into subtasks too (TextCraft's refuses them, naming the subtask)
     raw = _tiny("alfworld", tmp_path)
     raw["env"].update(max_steps=6, processes=False)
     raw["experts"]["corrupt"] = {"episodes": 6, "share": 0.7}
     raw["method"] = "step_hrl"
-    raw["step_hrl"] = {"critic": {"epochs": 1, "batch_size": 4}, "policy": {"epochs": 1, "batch_size": 4, "constant_advantage": constant},
-                       "progress_tokens": 8, "collected": False, "reward": "outcome"}
+    raw["step_hrl"] = {
+        "critic": {"epochs": 1, "batch_size": 4},
+        "policy": {"epochs": 1, "batch_size": 4, "constant_advantage": constant},
+        "progress_tokens": 8,
+        "collected": False,
+        "reward": "outcome",
+    }
     params = parse_params(raw)
     monkeypatch.chdir(tmp_path)
     metrics = {}
@@ -82,7 +94,9 @@ def test_step_hrl_learns_from_the_experts_store_alone_and_its_control_weighs_eve
     assert policy["constant_advantage"] is constant
     if constant:
         assert policy["weight_off_one_share"] == 0.0 and policy["weight_mean"] == pytest.approx(1.0)
-    else:  # the critic's advantages weigh the outputs (near 1 at this size: STEP-HRL's weak contrast, what the control measures)
+    # the critic's advantages weigh the outputs (near 1 at this size: STEP-HRL's weak contrast, what the control
+    # measures)
+    else:
         assert policy["weight_mean"] != 1.0
 
 
@@ -98,12 +112,14 @@ def test_a_corrupted_episode_puts_a_fixed_action_in_the_experts_place_where_it_i
     assert clean.source == "expert" and clean.won and fixed.source == "corrupted"
     assert [s.action for s in fixed.steps] == [s.action for s in again.steps], "the draws are seeded by the task"
     replaced = [s.action for s in fixed.steps if s.action not in {c.action for c in clean.steps}]
-    assert replaced and set(replaced) == {"inventory"}, "the expert's plan never checks the inventory; every replacement does"
+    assert replaced and set(replaced) == {"inventory"}, (
+        "the expert's plan never checks the inventory; every replacement does"
+    )
 
 
 def _corrupted_action_logp(params) -> dict[str, float]:
-    """Mean log-likelihood of the corrupted steps' action (`inventory`, where the expert did something else) in their own
-    episodes' contexts, under the BC policy and under policy@1."""
+    """Mean log-likelihood of the corrupted steps' action (`inventory`, where the expert did something else) in their
+    own episodes' contexts, under the BC policy and under policy@1."""
     from qevolve.models.backend import HFBackend
     from qevolve.models.policy import load_policy
     from qevolve.models.prompt import make_builder
@@ -113,9 +129,22 @@ def _corrupted_action_logp(params) -> dict[str, float]:
     for name, adapter in (("bc", paths.BC), ("policy", paths.policy(1))):
         model, tok = load_policy(paths.BASE, params.model, adapter=adapter)
         builder, backend = make_builder(params, tok, adapter), HFBackend(model.eval(), tok.pad_token_id, reuse=False)
-        scores = [float(backend.score([0], [builder.prompt(t.instruction, [s.observation for s in t.steps[: i + 1]], [s.output for s in t.steps[:i]])],
-                                      [[builder.action_ids(step.output)]])[0][0])
-                  for t in store for i, step in enumerate(t.steps) if step.action == "inventory"]
+        scores = [
+            float(
+                backend.score(
+                    [0],
+                    [
+                        builder.prompt(
+                            t.instruction, [s.observation for s in t.steps[: i + 1]], [s.output for s in t.steps[:i]]
+                        )
+                    ],
+                    [[builder.action_ids(step.output)]],
+                )[0][0]
+            )
+            for t in store
+            for i, step in enumerate(t.steps)
+            if step.action == "inventory"
+        ]
         out[name] = sum(scores) / len(scores)
     return out
 
@@ -126,7 +155,8 @@ def test_the_update_unlearns_a_corrupted_action_that_its_control_keeps(tmp_path,
     half the expert's actions and which were lost. Q-Evolve's relabel -> critic -> advantage -> BPPO update lowers the
     corrupted action's log-likelihood below BC's; the same update with a constant advantage raises it (more BC on the
     mix). Measured at 3 training seeds (2026-12-07, a busy machine): update - BC -0.39, -0.43, -0.53 nats; update -
-    control -0.81, -0.59, -1.06 (`bc.seed`, `critic.seed`, `policy.seed` 0, 1, 2); asserted with margins of 0.1 and 0.3."""
+    control -0.81, -0.59, -1.06 (`bc.seed`, `critic.seed`, `policy.seed` 0, 1, 2); asserted with margins of 0.1 and
+    0.3."""
     got = {}
     for constant in (False, True):
         raw = _tiny("textcraft", tmp_path / str(constant))

@@ -14,7 +14,12 @@ def test_parse_action_reports_format_errors():
 
 def test_chat_format_read_from_template(tiny_tokenizer):
     fmt = ChatFormat.from_tokenizer(tiny_tokenizer)
-    assert (fmt.head, fmt.user_start, fmt.user_end, fmt.assistant_end) == ("", "<|user|>\n", "<|end|>\n<|assistant|>\n", "<|end|>\n")
+    assert (fmt.head, fmt.user_start, fmt.user_end, fmt.assistant_end) == (
+        "",
+        "<|user|>\n",
+        "<|end|>\n<|assistant|>\n",
+        "<|end|>\n",
+    )
 
 
 def _episode(n):
@@ -93,6 +98,8 @@ def test_a_runaway_observation_is_cut_to_its_budget_and_counted(tiny_tokenizer):
     huge = "You arrive at desk 1. " * 50_000  # about 1 MB
     prompt = builder.prompt("put some book on sidetable.", ["You are in a room.", huge], ["Action: go to desk 1"])
     assert len(prompt) < 512 and len(builder.truncated) == 1
-    assert tiny_tokenizer.decode(prompt).count("You arrive at desk 1.") < 20 and "[...]" in tiny_tokenizer.decode(prompt)
+    assert tiny_tokenizer.decode(prompt).count("You arrive at desk 1.") < 20 and "[...]" in tiny_tokenizer.decode(
+        prompt
+    )
     builder.prompt("put some book on sidetable.", ["You are in a room.", huge], ["Action: go to desk 1"])
     assert len(builder.truncated) == 1  # counted once per observation, however often it is prompted

@@ -25,12 +25,19 @@ from tests.test_rollout import Corridor
 
 def test_a_second_process_on_the_workspace_is_refused_naming_the_holder(tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom qevolve.lock import workspace_lock\n"
-         f"with workspace_lock({str(tmp_path)!r}, 'evolution'):\n    print('held', flush=True)\n    time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom qevolve.lock import workspace_lock\n"
+            f"with workspace_lock({str(tmp_path)!r}, 'evolution'):\n    print('held', flush=True)\n    time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert holder.stdout.readline().strip() == "held"
-    with pytest.raises(WorkspaceBusy, match=rf"another qevolve process is using this workspace \(evolution, pid {holder.pid} on "):
+    with pytest.raises(
+        WorkspaceBusy, match=rf"another qevolve process is using this workspace \(evolution, pid {holder.pid} on "
+    ):
         with workspace_lock(tmp_path, "evolution"):
             pass
     holder.send_signal(signal.SIGKILL)  # the kernel releases the lock of a killed holder
@@ -44,8 +51,11 @@ def test_cli_stage_refuses_while_an_evolution_holds_the_workspace(tmp_path):
     shutil.copy("params.yaml", tmp_path / "params.yaml")
     shutil.copy("dvc.yaml", tmp_path / "dvc.yaml")
     with workspace_lock(tmp_path, "evolution"):
-        done = subprocess.run([sys.executable, "-m", "qevolve.cli", "run", "bc", "--params", str(tmp_path / "params.yaml")],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "qevolve.cli", "run", "bc", "--params", str(tmp_path / "params.yaml")],
+            capture_output=True,
+            text=True,
+        )
     assert done.returncode == 2 and "another qevolve process is using this workspace (evolution, pid" in done.stderr
 
 
@@ -71,7 +81,11 @@ def test_json_artifacts_are_standard_json_with_a_rate_of_nothing_as_null(tmp_pat
     def refuse(token):
         raise ValueError(f"not standard JSON: {token}")
 
-    assert json.loads((tmp_path / "m.json").read_text(), parse_constant=refuse) == {"precision": None, "rates": [0.5, None], "n": 0}
+    assert json.loads((tmp_path / "m.json").read_text(), parse_constant=refuse) == {
+        "precision": None,
+        "rates": [0.5, None],
+        "n": 0,
+    }
 
 
 def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tiny_base, tmp_path):
@@ -82,7 +96,9 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tiny_base, tmp_path)
     tok = AutoTokenizer.from_pretrained(base)
     tok.add_tokens([f"extra{i}" for i in range(600)])
     tok.save_pretrained(base)
-    with pytest.raises(ModelLoadError, match=r"model.base: the tokenizer at .* has \d+ tokens but the model's embedding has \d+ rows"):
+    with pytest.raises(
+        ModelLoadError, match=r"model.base: the tokenizer at .* has \d+ tokens but the model's embedding has \d+ rows"
+    ):
         load_base(base)
 
 
@@ -107,7 +123,9 @@ def test_expert_data_about_unknown_tasks_is_refused_naming_file_and_field():
     good = Trajectory("a", "t1", "corridor", "train", "expert", "leave.")
     bad = Trajectory("b", "no-such-game", "corridor", "train", "expert", "leave.")
     check_tasks(env, [good], "data/experts")
-    with pytest.raises(ValueError, match=r"data/experts: task_id 'no-such-game' \(split 'train'\) is not a task of this environment"):
+    with pytest.raises(
+        ValueError, match=r"data/experts: task_id 'no-such-game' \(split 'train'\) is not a task of this environment"
+    ):
         check_tasks(env, [good, bad], "data/experts")
 
 
@@ -124,10 +142,22 @@ class ScriptedActor(Actor):
 
 
 def test_malformed_model_output_takes_the_format_error_path(tiny_tokenizer, tmp_path):
-    outputs = ["I think I should look around.", "Action: look\nAction: go to door 1", "Action: go to \udcff\x00 door", "Action: go to door 1"]
+    outputs = [
+        "I think I should look around.",
+        "Action: look\nAction: go to door 1",
+        "Action: go to \udcff\x00 door",
+        "Action: go to door 1",
+    ]
     env = Corridor()
-    [traj] = play(lambda: env, env.tasks("valid_seen")[:1], ScriptedActor(PromptBuilder(tiny_tokenizer, 256), outputs),
-                  max_steps=6, greedy=True, source="policy@0", batch_size=1)
+    [traj] = play(
+        lambda: env,
+        env.tasks("valid_seen")[:1],
+        ScriptedActor(PromptBuilder(tiny_tokenizer, 256), outputs),
+        max_steps=6,
+        greedy=True,
+        source="policy@0",
+        batch_size=1,
+    )
     # undecodable bytes become '?': the action is sent, and the environment rejects it
     assert [s.action for s in traj.steps] == [None, None, "go to ?\x00 door", "go to door 1"] and traj.won
     assert [s.valid for s in traj.steps] == [False, False, False, True]
@@ -216,7 +246,9 @@ def test_missing_alfworld_games_name_the_three_ways_and_why_each_failed(tmp_path
     script = bin_dir / "alfworld-download"
     script.write_text("#!/bin/sh\necho 'no network' >&2\nexit 3\n")
     script.chmod(0o755)
-    with pytest.raises(alfworld.AlfworldDataError, match=rf"3. ALFWorld's own download \(needs internet\): {script} exited with 3"):
+    with pytest.raises(
+        alfworld.AlfworldDataError, match=rf"3. ALFWorld's own download \(needs internet\): {script} exited with 3"
+    ):
         alfworld.ensure_alfworld_data()
 
 
@@ -226,11 +258,18 @@ def test_known_errors_print_message_and_hint_without_a_traceback_unless_debuggin
     shutil.copyfile(REPO / "params.yaml", tmp_path / "params.yaml")
     cli = [sys.executable, "-m", "qevolve.cli"]
     stale = subprocess.run([*cli, "run", "bc"], cwd=tmp_path, capture_output=True, text=True)
-    assert stale.returncode == 2 and "dvc.yaml does not match params.yaml" in stale.stderr and "hint: `qevolve dvc-yaml` writes it" in stale.stderr
+    assert (
+        stale.returncode == 2
+        and "dvc.yaml does not match params.yaml" in stale.stderr
+        and "hint: `qevolve dvc-yaml` writes it" in stale.stderr
+    )
     subprocess.run([*cli, "dvc-yaml"], cwd=tmp_path, check=True, capture_output=True)
     done = subprocess.run([*cli, "run", "bc"], cwd=tmp_path, capture_output=True, text=True)  # no expert data yet
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "error: data/experts/trajectories.parquet: missing" in done.stderr and "hint: a stage's data is missing" in done.stderr
+    assert (
+        "error: data/experts/trajectories.parquet: missing" in done.stderr
+        and "hint: a stage's data is missing" in done.stderr
+    )
     assert "dvc checkout <stage>" in done.stderr
     debug = subprocess.run([*cli, "--debug", "run", "bc"], cwd=tmp_path, capture_output=True, text=True)
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "SchemaError" in debug.stderr
@@ -248,8 +287,12 @@ def test_a_damaged_adapter_or_prompt_file_names_the_artifact_its_stage_and_the_r
     model.save_pretrained(policy)
     weights = policy / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # cut short, as by a full disk or a bad copy
-    with pytest.raises(DamagedArtifact, match=r"models/policy@2: cannot load the LoRA adapter .*the output of stage `policy@2`") as err:
+    with pytest.raises(
+        DamagedArtifact, match=r"models/policy@2: cannot load the LoRA adapter .*the output of stage `policy@2`"
+    ) as err:
         load_policy(tiny_base, cfg, adapter=policy)
     assert "dvc checkout <stage>" in err.value.hint
-    with pytest.raises(DamagedArtifact, match=r"models/policy@2/prompt.json: cannot read the prompt .*stage `policy@2`"):
+    with pytest.raises(
+        DamagedArtifact, match=r"models/policy@2/prompt.json: cannot read the prompt .*stage `policy@2`"
+    ):
         make_builder(Params(), tok, policy)

@@ -6,8 +6,18 @@ import pytest
 import torch
 
 from qevolve.algos.rl import (
-    anchored_awr_loss, awac_kl_loss, awr_loss, bppo_loss, clip_fraction, expectile_loss, gae_advantages, iql_losses, kl_on_policy,
-    kl_to_reference, policy_loss, step_weights,
+    anchored_awr_loss,
+    awac_kl_loss,
+    awr_loss,
+    bppo_loss,
+    clip_fraction,
+    expectile_loss,
+    gae_advantages,
+    iql_losses,
+    kl_on_policy,
+    kl_to_reference,
+    policy_loss,
+    step_weights,
 )
 
 
@@ -122,8 +132,18 @@ def test_iql_losses():
     q_sa = torch.tensor([1.5, 1.0], requires_grad=True)
     q_target = torch.tensor([2.0, 1.0], requires_grad=True)
     v_next = torch.tensor([3.0, 5.0], requires_grad=True)
-    v_loss, q_loss = iql_losses(v_s, q_sa, q_target, v_next, torch.tensor([0.0, 1.0]), torch.tensor([1.0, 0.0]),
-                                torch.tensor([1.0, 0.5]), gamma=0.9, tau=0.7, norm=1.5)
+    v_loss, q_loss = iql_losses(
+        v_s,
+        q_sa,
+        q_target,
+        v_next,
+        torch.tensor([0.0, 1.0]),
+        torch.tensor([1.0, 0.0]),
+        torch.tensor([1.0, 0.5]),
+        gamma=0.9,
+        tau=0.7,
+        norm=1.5,
+    )
     assert close(v_loss, 0.85 / 1.5) and close(q_loss, 0.96)
     (v_loss + q_loss).backward()
     assert q_target.grad is None and v_next.grad is None  # targets get no gradient
@@ -132,12 +152,21 @@ def test_iql_losses():
 
 
 def test_policy_loss_compositions():
-    # Ratios [1.5, .5], A = [1, -1], clip [.8, 1.1]: min(1.5, 1.1) = 1.1, min(-.5, -.8) = -.8; PG = -(1.1 - .8)/2 = -.15.
+    # Ratios [1.5, .5], A = [1, -1], clip [.8, 1.1]: min(1.5, 1.1) = 1.1, min(-.5, -.8) = -.8;
+    # PG = -(1.1 - .8)/2 = -.15.
     # KL: one token, new .5 against ref .25: r = 2, k3 = 2 - 1 - ln 2 = .306853.
     # loss = .5 * -.15 + .1 * .25 * .306853 = -.075 + .007671 = -.067329.
     logp_new = torch.log(torch.tensor([1.5, 0.5]))
-    args = (logp_new, torch.zeros(2), torch.tensor([1.0, -1.0]), torch.log(torch.tensor([0.5])), torch.log(torch.tensor([0.25])))
-    common = dict(clip_low=0.2, clip_high=0.1, kl_coef=0.1, awr_beta=1.0, awr_max_weight=20.0, step_share=0.5, token_share=0.25)
+    args = (
+        logp_new,
+        torch.zeros(2),
+        torch.tensor([1.0, -1.0]),
+        torch.log(torch.tensor([0.5])),
+        torch.log(torch.tensor([0.25])),
+    )
+    common = dict(
+        clip_low=0.2, clip_high=0.1, kl_coef=0.1, awr_beta=1.0, awr_max_weight=20.0, step_share=0.5, token_share=0.25
+    )
     loss, pg, kl = policy_loss(*args, algo="bppo", **common)
     assert close(pg, -0.15) and close(kl, 2 - 1 - math.log(2)) and close(loss, -0.075 + 0.1 * 0.25 * (1 - math.log(2)))
     # AWR: weights e^1, e^-1; PG = -(e * ln 1.5 + e^-1 * ln .5) / 2 = -(1.102170 - .254995) / 2 = -.423588.
@@ -151,7 +180,8 @@ def test_anchored_awr_loss_hand_computed():
     logp_data, adv_data = torch.tensor([-1.0, -2.0]), torch.tensor([0.1, -0.2])
     logp_pi = torch.tensor([-0.5, -3.0], requires_grad=True)
     adv_pi = torch.tensor([0.3, -0.1])
-    # beta 10: weights e^1 = 2.718282, e^-2 = 0.135335 (under the clip 20); AWR = (2.718282 * 1 + 0.135335 * 2) / 2 = 1.494476
+    # beta 10: weights e^1 = 2.718282, e^-2 = 0.135335 (under the clip 20);
+    # AWR = (2.718282 * 1 + 0.135335 * 2) / 2 = 1.494476
     # anchored = mean(0.3 * -0.5, -0.1 * -3) = (-0.15 + 0.3) / 2 = 0.075; loss = 1.494476 - 7 * 0.075 = 0.969476
     loss, awr, anchored = anchored_awr_loss(logp_data, adv_data, logp_pi, adv_pi, beta=10.0, max_weight=20.0, lam=7.0)
     assert close(awr, 1.494476) and close(anchored, 0.075) and close(loss, 0.969476)
@@ -159,7 +189,9 @@ def test_anchored_awr_loss_hand_computed():
     loss.backward()
     assert close(logp_pi.grad, [-1.05, 0.35])
     # relu: the negative A(â) drops out, anchored = -0.15 / 2 = -0.075, loss = 1.494476 + 0.525
-    loss, _, anchored = anchored_awr_loss(logp_data, adv_data, logp_pi, adv_pi, beta=10.0, max_weight=20.0, lam=7.0, relu=True)
+    loss, _, anchored = anchored_awr_loss(
+        logp_data, adv_data, logp_pi, adv_pi, beta=10.0, max_weight=20.0, lam=7.0, relu=True
+    )
     assert close(anchored, -0.075) and close(loss, 2.019476)
     # the clip: max_weight 2 caps e^1, AWR = (2 * 1 + 0.135335 * 2) / 2 = 1.135335; lam 0 leaves AWR alone
     loss, awr, _ = anchored_awr_loss(logp_data, adv_data, logp_pi, adv_pi, beta=10.0, max_weight=2.0, lam=0.0)

@@ -22,7 +22,9 @@ class Corridor:
     def step(self, action):
         self.steps.append(action)
         won = action == "go to door 1"
-        return Step("You are outside." if won else "Nothing happens.", float(won), won, won, won, ["go to door 1", "look"])
+        return Step(
+            "You are outside." if won else "Nothing happens.", float(won), won, won, won, ["go to door 1", "look"]
+        )
 
     def expert_action(self):
         return "go to door 1"
@@ -50,7 +52,9 @@ def test_free_text_format_errors_do_not_step_the_env(tiny_base):
     model, tok = load_policy(tiny_base, ModelConfig(lora={"r": 4, "alpha": 8}))
     actor = Actor(model, tok, PromptBuilder(tok, 256), "free", temperature=1.0, max_new_tokens=4)
     env = Corridor()
-    [traj] = play(lambda: env, env.tasks("valid_seen")[:1], actor, max_steps=3, greedy=True, source="policy@0", batch_size=1)
+    [traj] = play(
+        lambda: env, env.tasks("valid_seen")[:1], actor, max_steps=3, greedy=True, source="policy@0", batch_size=1
+    )
     bad = [s for s in traj.steps if s.action is None]
     assert bad  # an untrained model writing 4 tokens does not produce an `Action:` line
     assert all(not s.valid and s.next_observation == s.observation for s in bad)
@@ -63,14 +67,30 @@ def test_an_episodes_draws_do_not_depend_on_what_it_is_batched_with(tiny_base):
     for mode in ("admissible", "free"):
         actor = Actor(model, tok, PromptBuilder(tok, 256), mode, temperature=50.0, max_new_tokens=6)
         env = Corridor()
-        runs = [[[(s.output, round(s.logp, 4)) for s in t.steps]
-                 for t in play(lambda: env, env.tasks("train") * 2, actor, max_steps=4, greedy=False, source="p", batch_size=b, seed=3)]
-                for b in (1, 3)]
+        runs = [
+            [
+                [(s.output, round(s.logp, 4)) for s in t.steps]
+                for t in play(
+                    lambda: env,
+                    env.tasks("train") * 2,
+                    actor,
+                    max_steps=4,
+                    greedy=False,
+                    source="p",
+                    batch_size=b,
+                    seed=3,
+                )
+            ]
+            for b in (1, 3)
+        ]
         assert runs[0] == runs[1]
         assert len({str(episode) for episode in runs[0]}) > 1  # the two episodes of a task draw differently
 
 
 def test_episode_seeds_differ_by_stage_seed_place_task_and_attempt():
-    seeds = {episode_seed(*key) for key in [(0, 0, "t0", 0), (1, 0, "t0", 0), (0, 1, "t0", 0), (0, 0, "t1", 0), (0, 0, "t0", 1)]}
+    seeds = {
+        episode_seed(*key)
+        for key in [(0, 0, "t0", 0), (1, 0, "t0", 0), (0, 1, "t0", 0), (0, 0, "t1", 0), (0, 0, "t0", 1)]
+    }
     assert len(seeds) == 5 and all(0 <= s < 2**63 for s in seeds)
     assert episode_seed(0, 0, "t0", 0) == episode_seed(0, 0, "t0", 0)

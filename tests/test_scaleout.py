@@ -49,7 +49,9 @@ class Services:
 
     def start(self, name: str, args: list[str], env: dict, url: str | None = None) -> subprocess.Popen:
         log = self.tmp / f"{name}.log"
-        proc = subprocess.Popen(args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=self.tmp, start_new_session=True)
+        proc = subprocess.Popen(
+            args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=self.tmp, start_new_session=True
+        )
         self.procs.append(proc)
         if url:
             _wait(url, proc, log)
@@ -83,39 +85,75 @@ def _workspace(root: Path, tmp_path: Path, settings: dict) -> Path:
 
 
 def _evolve(root: Path, env: dict) -> str:
-    out = subprocess.run([sys.executable, "-m", "flows.evolve", "--root", str(root)], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=900)
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.evolve", "--root", str(root)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     return out.stdout + out.stderr
 
 
 @pytest.mark.slow
 def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_from_the_remote(tmp_path, services):
-    env = {**os.environ, **S3_ENV, "PYTHONPATH": str(REPO), "PATH": f"{BIN}:{os.environ['PATH']}", "PREFECT_HOME": str(tmp_path / "prefect"),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_TO_API_ENABLED": "true"}
+    env = {
+        **os.environ,
+        **S3_ENV,
+        "PYTHONPATH": str(REPO),
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_TO_API_ENABLED": "true",
+    }
     s3 = f"http://127.0.0.1:{_port()}"
     services.start("moto", [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", s3.rsplit(":", 1)[1]], env, url=s3)
     import boto3
 
-    boto3.client("s3", endpoint_url=s3, **{k.lower(): v for k, v in S3_ENV.items() if k != "AWS_DEFAULT_REGION"},
-                 region_name="us-east-1").create_bucket(Bucket="qevolve")
+    boto3.client(
+        "s3",
+        endpoint_url=s3,
+        **{k.lower(): v for k, v in S3_ENV.items() if k != "AWS_DEFAULT_REGION"},
+        region_name="us-east-1",
+    ).create_bucket(Bucket="qevolve")
     api = f"http://127.0.0.1:{_port()}/api"
-    server_env = {**env, "PREFECT_API_DATABASE_CONNECTION_URL": "postgresql+asyncpg://" + _postgres(services, env, "prefect")}
+    server_env = {
+        **env,
+        "PREFECT_API_DATABASE_CONNECTION_URL": "postgresql+asyncpg://" + _postgres(services, env, "prefect"),
+    }
     env["PREFECT_API_URL"] = api
 
     def start_prefect():
-        return services.start("prefect", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
-                                          api.split(":")[2].split("/")[0]], server_env, url=f"{api}/health")
+        return services.start(
+            "prefect",
+            [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", api.split(":")[2].split("/")[0]],
+            server_env,
+            url=f"{api}/health",
+        )
 
     server = start_prefect()
-    subprocess.run([sys.executable, "-m", "flows.scaleout", "deploy", "gpu", "--silence", "45"], cwd=REPO, env=env, check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "flows.scaleout", "deploy", "gpu", "--silence", "45"],
+        cwd=REPO,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     worker_env = {**env, "QEVOLVE_WORKER_DIR": str(tmp_path / "worker")}
     worker = services.start("worker", [str(BIN / "prefect"), "worker", "start", "--pool", "gpu"], worker_env)
 
     def evolving():
-        return subprocess.Popen([sys.executable, "-m", "flows.evolve", "--root", str(a)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "flows.evolve", "--root", str(a)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def until_bc_starts(attempt, log: str, count: int) -> None:
         deadline = time.time() + 600
@@ -129,9 +167,19 @@ def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_fro
     edited = a / "src" / "qevolve" / "paths.py"
     original = edited.read_text()
     edited.write_text(original + "# edited\n")
-    failed = subprocess.run([sys.executable, "-m", "flows.evolve", "--root", str(a)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    failed = subprocess.run(
+        [sys.executable, "-m", "flows.evolve", "--root", str(a)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert failed.returncode != 0
-    assert re.search(r"bc: its run on work pool 'gpu' ended Failed .*this worker's code .* is not the orchestrator's", failed.stdout + failed.stderr)
+    assert re.search(
+        r"bc: its run on work pool 'gpu' ended Failed .*this worker's code .* is not the orchestrator's",
+        failed.stdout + failed.stderr,
+    )
     edited.write_text(original)
     # The worker's machine dies mid-stage (the worker and the stage's processes killed): its silent run is
     # marked Crashed, and the orchestrator stops with that.
@@ -142,7 +190,9 @@ def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_fro
     for proc in [*psutil.Process(worker.pid).children(recursive=True), psutil.Process(worker.pid)]:
         proc.kill()
     out = attempt.communicate(timeout=600)[0]
-    assert attempt.returncode != 0 and re.search(r"bc: its run on work pool 'gpu' ended Crashed .*no heartbeat for 45 s", out), out[-3000:]
+    assert attempt.returncode != 0 and re.search(
+        r"bc: its run on work pool 'gpu' ended Crashed .*no heartbeat for 45 s", out
+    ), out[-3000:]
     services.start("worker2", [str(BIN / "prefect"), "worker", "start", "--pool", "gpu"], worker_env)
     # A new attempt (a new flow run on the pool); the Prefect server restarted while the worker runs bc.
     attempt = evolving()
@@ -154,9 +204,15 @@ def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_fro
     assert attempt.returncode == 0, out[-4000:]
     # bc ran on the worker, in its own workspace; the orchestrator restored it and wrote dvc.lock alone.
     [worker_ws] = (tmp_path / "worker").iterdir()
-    assert (worker_ws / "models" / "bc" / "adapter_model.safetensors").exists() and not (worker_ws / "metrics" / "evaluate@0.json").exists()
-    assert (a / "models" / "bc" / "adapter_model.safetensors").read_bytes() == (worker_ws / "models" / "bc" / "adapter_model.safetensors").read_bytes()
-    status = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=a, capture_output=True, text=True, check=True).stdout
+    assert (worker_ws / "models" / "bc" / "adapter_model.safetensors").exists() and not (
+        worker_ws / "metrics" / "evaluate@0.json"
+    ).exists()
+    assert (a / "models" / "bc" / "adapter_model.safetensors").read_bytes() == (
+        worker_ws / "models" / "bc" / "adapter_model.safetensors"
+    ).read_bytes()
+    status = subprocess.run(
+        [sys.executable, "-m", "dvc", "status"], cwd=a, capture_output=True, text=True, check=True
+    ).stdout
     assert "up to date" in status, status
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -174,8 +230,12 @@ def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_fro
     lock = yaml.safe_load((a / "dvc.lock").read_text())["stages"]
     # The MLflow run joins the Prefect flow run that computed bc, where, and the content hash DVC records.
     assert "bc/loss" in parent.data.metrics and parent.data.tags["qevolve.git_commit"]
-    assert parent.data.tags["qevolve.pool.bc"] == "gpu" and parent.data.tags["qevolve.prefect_flow_run.bc"] == str(runs[2].id)
-    assert parent.data.tags["qevolve.dvc.bc.models/bc"] == next(o["md5"] for o in lock["bc"]["outs"] if o["path"] == "models/bc")
+    assert parent.data.tags["qevolve.pool.bc"] == "gpu" and parent.data.tags["qevolve.prefect_flow_run.bc"] == str(
+        runs[2].id
+    )
+    assert parent.data.tags["qevolve.dvc.bc.models/bc"] == next(
+        o["md5"] for o in lock["bc"]["outs"] if o["path"] == "models/bc"
+    )
 
     # A second clone, with its own DVC cache and no pool: every stage comes from the remote, none runs.
     b = _workspace(tmp_path / "b", tmp_path, {"remote": remote})
@@ -186,14 +246,21 @@ def test_a_stage_runs_on_a_work_pool_and_a_second_clone_restores_every_stage_fro
 
 
 def test_scaleout_settings_are_validated_naming_the_file_and_key(tmp_path, monkeypatch):
-    from tasks.scaleout import load_settings
     from qevolve.config import ConfigError
+    from tasks.scaleout import load_settings
 
     monkeypatch.delenv("QEVOLVE_SCALEOUT", raising=False)
-    assert load_settings(tmp_path).pools == {} and load_settings(tmp_path).remote is None  # no file: all here, no remote
-    cases = [({"pools": {"bc": "gpu"}}, r"pools: a stage on a work pool hands its artifacts over through a DVC remote"),
-             ({"remote": {"url": "s3://b/p", "endpoint": "x"}}, r"remote.endpoint: Extra inputs are not permitted"),
-             ({"remote": {"url": "s3://b/p"}, "pools": {"bcc": "gpu"}}, r"pools: no stage \['bcc'\] in this method; expected some of \['bc', 'evaluate'\]")]
+    assert (
+        load_settings(tmp_path).pools == {} and load_settings(tmp_path).remote is None
+    )  # no file: all here, no remote
+    cases = [
+        ({"pools": {"bc": "gpu"}}, r"pools: a stage on a work pool hands its artifacts over through a DVC remote"),
+        ({"remote": {"url": "s3://b/p", "endpoint": "x"}}, r"remote.endpoint: Extra inputs are not permitted"),
+        (
+            {"remote": {"url": "s3://b/p"}, "pools": {"bcc": "gpu"}},
+            r"pools: no stage \['bcc'\] in this method; expected some of \['bc', 'evaluate'\]",
+        ),
+    ]
     for settings, message in cases:
         (tmp_path / "scaleout.yaml").write_text(yaml.safe_dump(settings))
         with pytest.raises(ConfigError, match=rf"{tmp_path}/scaleout.yaml: .*{message}"):
@@ -206,8 +273,8 @@ def test_scaleout_settings_are_validated_naming_the_file_and_key(tmp_path, monke
 def test_an_unreachable_remote_is_an_error_naming_it_and_nothing_computed_is_lost(tmp_path, monkeypatch):
     from dvc.repo import Repo
 
-    from tasks.scaleout import Remote, use_remote
     from tasks import RemoteUnreachable, push_stage, restore_from_run_cache
+    from tasks.scaleout import Remote, use_remote
 
     for key, value in {**S3_ENV, "AWS_MAX_ATTEMPTS": "1"}.items():
         monkeypatch.setenv(key, value)
@@ -217,15 +284,25 @@ def test_an_unreachable_remote_is_an_error_naming_it_and_nothing_computed_is_los
     closed = f"http://127.0.0.1:{_port()}"
     use_remote(root, Remote(url="s3://qevolve/dvc", endpointurl=closed))
     (root / "in.txt").write_text("hello\n")
-    (root / "dvc.yaml").write_text("stages:\n  gen:\n    cmd: cp in.txt out.txt\n    deps: [in.txt]\n    outs: [out.txt]\n")
+    (root / "dvc.yaml").write_text(
+        "stages:\n  gen:\n    cmd: cp in.txt out.txt\n    deps: [in.txt]\n    outs: [out.txt]\n"
+    )
     monkeypatch.chdir(root)
-    with pytest.raises(RemoteUnreachable, match=r"gen: looking for it in the remote's run cache: the DVC remote s3://qevolve/dvc failed \(.*127.0.0.1"):
+    with pytest.raises(
+        RemoteUnreachable,
+        match=r"gen: looking for it in the remote's run cache: the DVC remote s3://qevolve/dvc failed \(.*127.0.0.1",
+    ):
         restore_from_run_cache(root, "gen", "s3://qevolve/dvc")
     with Repo(str(root)) as repo:
         repo.reproduce("gen")
-    with pytest.raises(RemoteUnreachable, match=r"gen: pushing its outputs \(kept here, recorded in dvc.lock\): the DVC remote s3://qevolve/dvc failed"):
+    with pytest.raises(
+        RemoteUnreachable,
+        match=r"gen: pushing its outputs \(kept here, recorded in dvc.lock\): the DVC remote s3://qevolve/dvc failed",
+    ):
         push_stage(root, "gen", "s3://qevolve/dvc")
-    assert (root / "out.txt").read_text() == "hello\n" and "gen" in yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+    assert (root / "out.txt").read_text() == "hello\n" and "gen" in yaml.safe_load((root / "dvc.lock").read_text())[
+        "stages"
+    ]
 
 
 def test_a_tracking_server_that_fails_at_a_stages_end_is_an_error_naming_it(tmp_path, monkeypatch):
@@ -238,7 +315,10 @@ def test_a_tracking_server_that_fails_at_a_stages_end_is_an_error_naming_it(tmp_
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     mlflow.set_tracking_uri(f"http://127.0.0.1:{_port()}")
     try:
-        with pytest.raises(TrackingUnavailable, match=r"bc: logging to MLflow at http://127.0.0.1:\d+ failed .*nothing computed is lost"):
+        with pytest.raises(
+            TrackingUnavailable,
+            match=r"bc: logging to MLflow at http://127.0.0.1:\d+ failed .*nothing computed is lost",
+        ):
             log_stage({"stage": "bc", "metrics": {"loss": 1.0}}, SETUP[-1])
     finally:
         mlflow.set_tracking_uri(None)
@@ -257,15 +337,40 @@ def _postgres(services: Services, env: dict, database: str) -> str:
     shutil.chown(data, "postgres")
     data.chmod(0o700)
     as_pg = ["runuser", "-u", "postgres", "--"]
-    subprocess.run([*as_pg, str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"], check=True, capture_output=True)
+    subprocess.run(
+        [*as_pg, str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
+        check=True,
+        capture_output=True,
+    )
     port = _port()
-    services.start("postgres", [*as_pg, str(bin_dir / "postgres"), "-D", str(data), "-p", str(port), "-k", str(data),
-                                "-c", "listen_addresses=127.0.0.1"], env)
+    services.start(
+        "postgres",
+        [
+            *as_pg,
+            str(bin_dir / "postgres"),
+            "-D",
+            str(data),
+            "-p",
+            str(port),
+            "-k",
+            str(data),
+            "-c",
+            "listen_addresses=127.0.0.1",
+        ],
+        env,
+    )
     for _ in range(120):
-        if subprocess.run([str(bin_dir / "pg_isready"), "-h", "127.0.0.1", "-p", str(port)], capture_output=True).returncode == 0:
+        if (
+            subprocess.run(
+                [str(bin_dir / "pg_isready"), "-h", "127.0.0.1", "-p", str(port)], capture_output=True
+            ).returncode
+            == 0
+        ):
             break
         time.sleep(0.5)
-    subprocess.run([str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", database], check=True)
+    subprocess.run(
+        [str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", database], check=True
+    )
     services.cleanup.append(lambda: shutil.rmtree(data, ignore_errors=True))
     return f"postgres@127.0.0.1:{port}/{database}"
 
@@ -277,19 +382,39 @@ def test_mlflow_on_postgresql_keeps_the_evolution_and_its_artifacts_go_to_s3_thr
     services.start("moto", [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", s3.rsplit(":", 1)[1]], env, url=s3)
     import boto3
 
-    s3_client = boto3.client("s3", endpoint_url=s3, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1")
+    s3_client = boto3.client(
+        "s3", endpoint_url=s3, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+    )
     s3_client.create_bucket(Bucket="qevolve")
     database = "postgresql+psycopg://" + _postgres(services, env, "mlflow")
     port = _port()
 
     def start_mlflow():
-        return services.start("mlflow", [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                                         "--backend-store-uri", database, "--artifacts-destination", "s3://qevolve/mlflow"],
-                              {**env, "MLFLOW_S3_ENDPOINT_URL": s3}, url=f"http://127.0.0.1:{port}/health")
+        return services.start(
+            "mlflow",
+            [
+                str(BIN / "mlflow"),
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                database,
+                "--artifacts-destination",
+                "s3://qevolve/mlflow",
+            ],
+            {**env, "MLFLOW_S3_ENDPOINT_URL": s3},
+            url=f"http://127.0.0.1:{port}/health",
+        )
 
     server = start_mlflow()
     # The flow holds no S3 credentials: artifacts go through the server (proxied).
-    client_env = {k: v for k, v in env.items() if not k.startswith("AWS_")} | {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"}
+    client_env = {k: v for k, v in env.items() if not k.startswith("AWS_")} | {
+        "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"
+    }
     ws = _workspace(tmp_path / "ws", tmp_path, {})
     _evolve(ws, client_env)
     import mlflow
@@ -308,13 +433,25 @@ def test_mlflow_on_postgresql_keeps_the_evolution_and_its_artifacts_go_to_s3_thr
         params = yaml.safe_load((ws / "params.yaml").read_text())
         params["evolve"]["iterations"] = 1
         (ws / "params.yaml").write_text(yaml.safe_dump(params))
-        down = subprocess.run([sys.executable, "-m", "flows.evolve", "--root", str(ws)], cwd=REPO, capture_output=True, text=True, timeout=900,
-                              env={**client_env, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"})
+        down = subprocess.run(
+            [sys.executable, "-m", "flows.evolve", "--root", str(ws)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env={**client_env, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"},
+        )
         assert down.returncode != 0 and f"127.0.0.1:{port}" in down.stdout + down.stderr
         start_mlflow()
         _evolve(ws, client_env)
-        [again] = mlflow.search_runs(experiment_names=["qevolve"], output_format="list", filter_string="tags.mlflow.parentRunId IS NULL")
-        assert again.info.run_id == parent.info.run_id and again.info.status == "FINISHED" and "evaluate/test/success_rate" in again.data.metrics
+        [again] = mlflow.search_runs(
+            experiment_names=["qevolve"], output_format="list", filter_string="tags.mlflow.parentRunId IS NULL"
+        )
+        assert (
+            again.info.run_id == parent.info.run_id
+            and again.info.status == "FINISHED"
+            and "evaluate/test/success_rate" in again.data.metrics
+        )
     finally:
         mlflow.set_tracking_uri(None)
 
@@ -324,23 +461,39 @@ def test_a_worker_writes_only_the_files_a_stage_carries_into_a_workspace_id_it_c
     `dispatch` sends, or a file name other than params.yaml, dvc.yaml, dvc.lock and metrics/*.json, is refused before
     anything is written."""
     from flows.scaleout import remote_stage
-    from tasks.scaleout import ROOT as REPO_ROOT, SRC, carried_path, code_digest, worker_root
     from qevolve.errors import BadName
+    from tasks.scaleout import ROOT as REPO_ROOT
+    from tasks.scaleout import SRC, carried_path, code_digest, worker_root
 
     monkeypatch.setenv("QEVOLVE_WORKER_DIR", str(tmp_path / "workers"))
     code = code_digest(REPO_ROOT / SRC)
     for workspace in ("../../x", "/tmp", "0123456789abcdeF", "0123456789abcde", "..", ""):
         with pytest.raises(BadName, match="is not a workspace id"):
             remote_stage.fn("bc", None, {"params.yaml": ""}, code, {}, workspace)
-    for name in ("/etc/passwd", "../evil.pth", "src/qevolve/__init__.py", "metrics/../../x.json", "metrics/a/b.json", "dvc.yaml/x",
-                 ".dvc/config", "metrics/.json"):
+    for name in (
+        "/etc/passwd",
+        "../evil.pth",
+        "src/qevolve/__init__.py",
+        "metrics/../../x.json",
+        "metrics/a/b.json",
+        "dvc.yaml/x",
+        ".dvc/config",
+        "metrics/.json",
+    ):
         with pytest.raises(BadName, match="is not a file a stage carries"):
             remote_stage.fn("bc", None, {"params.yaml": "", name: "x"}, code, {}, "0123456789abcdef")
-    for registry in ("--insecure-registry", "reg istry", "host/Upper", "host:port/x"):  # a registry never reaches `docker pull` as an option
+    for registry in (
+        "--insecure-registry",
+        "reg istry",
+        "host/Upper",
+        "host:port/x",
+    ):  # a registry never reaches `docker pull` as an option
         with pytest.raises(BadName, match="is not a registry"):
             remote_stage.fn("bc", None, {"params.yaml": ""}, code, {}, "0123456789abcdef", registry)
     assert not (tmp_path / "workers").exists()  # nothing written
     root = worker_root("0123456789abcdef")
     assert root == tmp_path / "workers" / "0123456789abcdef"
-    assert [carried_path(root, n).relative_to(root).as_posix() for n in ("params.yaml", "dvc.lock", "metrics/evaluate@0.json", "metrics/bc_curve.json")] == \
-        ["params.yaml", "dvc.lock", "metrics/evaluate@0.json", "metrics/bc_curve.json"]
+    assert [
+        carried_path(root, n).relative_to(root).as_posix()
+        for n in ("params.yaml", "dvc.lock", "metrics/evaluate@0.json", "metrics/bc_curve.json")
+    ] == ["params.yaml", "dvc.lock", "metrics/evaluate@0.json", "metrics/bc_curve.json"]

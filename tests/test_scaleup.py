@@ -10,32 +10,70 @@ import sys
 import pytest
 import torch
 import yaml
+from test_pipeline import DVC, _finish, _flow, _workspace
 
 from conftest import REPO
-from test_pipeline import DVC, _finish, _flow, _workspace
 
 
 @pytest.mark.slow
 def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
-    done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--shape", "tiny", "--scale", "tiny", "--out", str(tmp_path)],
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "src")}, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/gpu_check.py",
+            "--device",
+            "cpu",
+            "--shape",
+            "tiny",
+            "--scale",
+            "tiny",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert results["parity"]["ok"] and results["parity"]["float32_compiled"]["max_abs_logp_diff"] < 1e-3
     assert results["inventory"]["missing_imports"] == "none" and set(results["sdpa"]) == {
-        f"{shape}_{call}" for shape in ("decode", "prefill") for call in ("folded", "gqa_masked")}
+        f"{shape}_{call}" for shape in ("decode", "prefill") for call in ("folded", "gqa_masked")
+    }
     assert all(s < 480 for s in results["section_seconds"].values())  # each within the default --budget
     stages = results["pipeline"]["stages"]
-    assert list(stages) == ["experts", "base", "bc", "evaluate@0", "collect@1", "relabel@1", "critic@1", "advantage@1", "policy@1", "diagnose@1",
-                            "evaluate@1"]
-    assert all(s["device"] == "cpu" for name, s in stages.items() if name in ("bc", "critic@1", "policy@1", "evaluate@1"))
+    assert list(stages) == [
+        "experts",
+        "base",
+        "bc",
+        "evaluate@0",
+        "collect@1",
+        "relabel@1",
+        "critic@1",
+        "advantage@1",
+        "policy@1",
+        "diagnose@1",
+        "evaluate@1",
+    ]
+    assert all(
+        s["device"] == "cpu" for name, s in stages.items() if name in ("bc", "critic@1", "policy@1", "evaluate@1")
+    )
     assert results["hub_kernels"]["ok"] and results["training"]["train_tokens_s"] > 0
-    assert results["scoring"]["engine_40x12"]["candidates_s"] > 0 and results["vllm"] == {"skipped": "vllm is not installed"}
+    assert results["scoring"]["engine_40x12"]["candidates_s"] > 0 and results["vllm"] == {
+        "skipped": "vllm is not installed"
+    }
     generation = results["generation"]
-    assert set(generation) == {f"{e}_{n}" for e in ("hf_reencode", "hf_reuse", "engine", "engine_compiled") for n in (8, 16)}
+    assert set(generation) == {
+        f"{e}_{n}" for e in ("hf_reencode", "hf_reuse", "engine", "engine_compiled") for n in (8, 16)
+    }
     assert all("error" not in row and row["tokens_s"] > 0 for row in generation.values()), generation
     # the compiled step is one graph: far fewer operators per decode step than the eager engines
-    assert generation["engine_compiled_16"]["launches_per_decode_step"] < generation["engine_16"]["launches_per_decode_step"] / 2
+    assert (
+        generation["engine_compiled_16"]["launches_per_decode_step"]
+        < generation["engine_16"]["launches_per_decode_step"] / 2
+    )
     dist = results["distributed"]
     assert all(dist[k]["ok"] for k in ("one_rank_on_device", "cpu_one_process", "cpu_two_ranks"))
     assert dist["two_ranks_max_loss_diff"] < 1e-5
@@ -67,10 +105,18 @@ def test_smollm2_loads_from_its_gguf_file_once_and_trains(tmp_path, monkeypatch)
     builder = PromptBuilder(tok, 256)
     prompt = tok.decode(builder.prompt("put some book on sidetable.", ["You are in the middle of a room."], []))
     assert "<|im_start|>user" in prompt and prompt.rstrip().endswith("<|im_start|>assistant")  # its own chat template
-    examples = builder.training_examples("put some book on sidetable.", ["You are in the middle of a room."], ["Action: go to desk 1"])
+    examples = builder.training_examples(
+        "put some book on sidetable.", ["You are in the middle of a room."], ["Action: go to desk 1"]
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    curve = train(model, examples * 2, BCConfig(epochs=3, lr=1e-3, batch_size=2, micro_batch_size=2, warmup_ratio=0.0),
-                  lambda e: len(e[0]), lambda micro: bc_step(model, micro, tok.pad_token_id), "smollm2")
+    curve = train(
+        model,
+        examples * 2,
+        BCConfig(epochs=3, lr=1e-3, batch_size=2, micro_batch_size=2, warmup_ratio=0.0),
+        lambda e: len(e[0]),
+        lambda micro: bc_step(model, micro, tok.pad_token_id),
+        "smollm2",
+    )
     assert curve[-1]["loss"] < curve[0]["loss"]
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters() if p.requires_grad)
     mtime = converted.stat().st_mtime_ns
@@ -106,7 +152,13 @@ def test_multi_process_trainers_copied_and_sharded_run_from_dvc_repro_and_from_t
     params["train"] = {"processes": 1}
     (ws / "params.yaml").write_text(yaml.safe_dump(params))
     shutil.rmtree(ws / "models" / "policy@1")
-    done = subprocess.run([sys.executable, "-m", "qevolve.cli", "run", "policy", "--iteration", "1"], cwd=ws, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "qevolve.cli", "run", "policy", "--iteration", "1"],
+        cwd=ws,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     single = load_file(str(ws / "models" / "policy@1" / "adapter_model.safetensors"))
     assert single.keys() == sharded.keys()
@@ -118,9 +170,8 @@ def test_the_gpu_study_profile_runs_at_a_tiny_size_on_the_cpu(tmp_path, monkeypa
     """profiles/study-gpu.yaml (issue 57's study, sized for one GPU) with only its sizes cut: SmolLM2 in free mode on
     all six task types, both iterations, every stage, on the CPU."""
     from qevolve.config import parse_params
-    from qevolve.stages import pipeline, run_stage
-
     from qevolve.profiles import resolve
+    from qevolve.stages import pipeline, run_stage
 
     raw = resolve(REPO / "profiles" / "study-gpu.yaml")
     assert raw["model"]["base"] == "smollm2" and raw["policy"]["action_mode"] == "free" and not raw["env"]["task_types"]

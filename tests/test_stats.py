@@ -1,10 +1,18 @@
 """Intervals and paired differences (qevolve.algos.stats) against values worked out by hand."""
 
+import numpy as np
 import pytest
 
-import numpy as np
-
-from qevolve.algos.stats import auc, clustered, difference_text, mann_whitney_p, no_difference_bound, paired_bootstrap, percent_interval, wilson
+from qevolve.algos.stats import (
+    auc,
+    clustered,
+    difference_text,
+    mann_whitney_p,
+    no_difference_bound,
+    paired_bootstrap,
+    percent_interval,
+    wilson,
+)
 
 
 def test_the_wilson_interval_by_hand():
@@ -44,10 +52,17 @@ def test_the_paired_bootstrap_by_hand():
     got = paired_bootstrap(a, b)
     assert (got["difference"], got["low"], got["high"], got["tasks"], got["seeds"]) == (0.5, 0.0, 1.0, 2, 1)
     assert (paired_bootstrap(a, b, level=0.4)["low"], paired_bootstrap(a, b, level=0.4)["high"]) == (0.5, 0.5)
-    # One task, two seeds that differ: a draw of seeds is (0, 0), (0, 1), (1, 0) or (1, 1), so the interval is [0, 1] too
+    # One task, two seeds that differ: a draw of seeds is (0, 0), (0, 1), (1, 0) or (1, 1), so the interval is [0, 1]
+    # too
     one = paired_bootstrap({"x": {0: 1, 1: 0}}, {"x": {0: 0, 1: 0}})
     assert (one["difference"], one["low"], one["high"]) == (0.5, 0.0, 1.0)
-    assert (one["per_seed"], one["better"], one["worse"], one["discordant"], one["bound"]) == ({0: 1.0, 1: 0.0}, 1, 0, 1, None)
+    assert (one["per_seed"], one["better"], one["worse"], one["discordant"], one["bound"]) == (
+        {0: 1.0, 1: 0.0},
+        1,
+        0,
+        1,
+        None,
+    )
 
 
 def test_seeds_are_drawn_once_for_every_task():
@@ -117,9 +132,9 @@ def test_intervals_print_in_percent():
 
 
 def test_the_auc_and_its_exact_p_by_hand():
-    # Pairs (won, lost): 0.9 > 0.1, 0.9 > 0.85, 0.8 > 0.1, 0.8 < 0.85: 3 of 4. Ranks 0.1 → 1, 0.8 → 2, 0.85 → 3, 0.9 → 4:
-    # the won sum 6 against a mean of 5; the 6 equally likely pairs of ranks sum to 3, 4, 5, 5, 6, 7, of which
-    # 4 are at least 1 from 5: p = 2/3
+    # Pairs (won, lost): 0.9 > 0.1, 0.9 > 0.85, 0.8 > 0.1, 0.8 < 0.85: 3 of 4. Ranks 0.1 → 1, 0.8 → 2, 0.85 → 3, 0.9 →
+    # 4: the won sum 6 against a mean of 5; the 6 equally likely pairs of ranks sum to 3, 4, 5, 5, 6, 7, of which 4 are
+    # at least 1 from 5: p = 2/3
     got = auc([0.9, 0.8], [0.1, 0.85])
     assert (got["auc"], got["positives"], got["negatives"]) == (0.75, 2, 2) and got["p"] == pytest.approx(2 / 3)
     assert got["contrast"] is None, "two against two are too few to tell a ranking from chance"
@@ -134,7 +149,9 @@ def test_the_auc_and_its_exact_p_by_hand():
     # 5 against 5, separated: p = 2 / C(10, 5) = 2 / 252, a contrast
     five = auc([0.6, 0.7, 0.8, 0.9, 1.0], [0.1, 0.2, 0.3, 0.4, 0.5])
     assert five["p"] == pytest.approx(2 / 252) and five["contrast"] is True
-    assert auc([0.1, 0.2, 0.3, 0.4, 0.5], [0.6, 0.7, 0.8, 0.9, 1.0])["contrast"] is True, "below chance is a contrast too"
+    assert auc([0.1, 0.2, 0.3, 0.4, 0.5], [0.6, 0.7, 0.8, 0.9, 1.0])["contrast"] is True, (
+        "below chance is a contrast too"
+    )
     # Interleaved, won on the odd hundredths and lost on the even: the won 2j + 1 is above j + 1 lost, Σ = 465 of 900
     mixed = auc([i / 100 for i in range(1, 60, 2)], [i / 100 for i in range(0, 60, 2)])
     assert mixed["auc"] == pytest.approx(465 / 900) and mixed["p"] > 0.5 and mixed["contrast"] is False

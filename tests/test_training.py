@@ -24,9 +24,16 @@ def _model(tiny_base, dropout=0.1):
 
 def _examples(tok):
     builder = PromptBuilder(tok, 512)
-    tasks = [("put some book on sidetable.", "Action: take book 1 from desk 1"), ("examine the pen.", "Action: go to desk 1"),
-             ("put a cd in shelf.", "Action: open cabinet 1"), ("find a key.", "Action: look"), ("cool an apple.", "Action: go to shelf 2")]
-    return [ex for task, act in tasks for ex in builder.training_examples(task, ["You are in the middle of a room."], [act])]
+    tasks = [
+        ("put some book on sidetable.", "Action: take book 1 from desk 1"),
+        ("examine the pen.", "Action: go to desk 1"),
+        ("put a cd in shelf.", "Action: open cabinet 1"),
+        ("find a key.", "Action: look"),
+        ("cool an apple.", "Action: go to shelf 2"),
+    ]
+    return [
+        ex for task, act in tasks for ex in builder.training_examples(task, ["You are in the middle of a room."], [act])
+    ]
 
 
 def _run(tiny_base, checkpoint=None, kill_at=None, inputs="", run=None, dropout=0.1):
@@ -39,7 +46,9 @@ def _run(tiny_base, checkpoint=None, kill_at=None, inputs="", run=None, dropout=
             raise Killed
         return bc_step(model, micro, tok.pad_token_id)
 
-    curve = train(model, examples, CFG, lambda e: len(e[0]), step, "test", checkpoint=checkpoint, inputs=inputs, run=run)
+    curve = train(
+        model, examples, CFG, lambda e: len(e[0]), step, "test", checkpoint=checkpoint, inputs=inputs, run=run
+    )
     return curve, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, len(calls)
 
 
@@ -62,7 +71,15 @@ def test_a_checkpoint_of_other_data_is_ignored(tiny_base, tmp_path):
     _run(tiny_base, ckpt)  # leaves the final checkpoint
     model, tok = _model(tiny_base)
     examples = _examples(tok)[:4]
-    curve = train(model, examples, CFG, lambda e: len(e[0]), lambda m: bc_step(model, m, tok.pad_token_id), "test", checkpoint=ckpt)
+    curve = train(
+        model,
+        examples,
+        CFG,
+        lambda e: len(e[0]),
+        lambda m: bc_step(model, m, tok.pad_token_id),
+        "test",
+        checkpoint=ckpt,
+    )
     assert len(curve) == 3 * 2
 
 
@@ -107,19 +124,23 @@ def test_micro_batches_by_token_budget_as_counted_by_hand():
 
 
 def test_a_token_budget_and_compiled_layers_change_how_the_update_is_computed_not_what_it_is(tiny_base):
-    """Micro-batches by token budget, activation checkpointing and `train.compile` (alone and together) give the same curve and adapter as the defaults, and the
-    curve's tokens and seconds give the speed; with a peak, the MFU at 4 FLOPs per parameter per token. (No dropout:
-    its draws follow the micro-batches.)"""
+    """Micro-batches by token budget, activation checkpointing and `train.compile` (alone and together) give the same
+    curve and adapter as the defaults, and the curve's tokens and seconds give the speed; with a peak, the MFU at 4
+    FLOPs per parameter per token. (No dropout: its draws follow the micro-batches.)"""
     want_curve, want_params, _ = _run(tiny_base, dropout=0.0)  # micro-batches of one window
     assert want_curve[-1]["loss"] < want_curve[0]["loss"]
-    for run in (TrainRunConfig(micro_batch_tokens=400), TrainRunConfig(checkpoint_activations=True), TrainRunConfig(compile=True),
-                TrainRunConfig(compile=True, checkpoint_activations=True)):  # compiled layers inside checkpoints, on a peft model
+    for run in (
+        TrainRunConfig(micro_batch_tokens=400),
+        TrainRunConfig(checkpoint_activations=True),
+        TrainRunConfig(compile=True),
+        TrainRunConfig(compile=True, checkpoint_activations=True),
+    ):  # compiled layers inside checkpoints, on a peft model
         torch._dynamo.reset()
         curve, params, _ = _run(tiny_base, run=run, dropout=0.0)  # two windows of about 190 tokens fit in 400
         assert [c["tokens"] for c in curve] == [c["tokens"] for c in want_curve]
         assert all(abs(a["loss"] - b["loss"]) < 1e-5 for a, b in zip(curve, want_curve))
-        # float rounding of the summed micro-batches, which Adam scales up on near-zero gradients (measured: 3e-4 at most,
-        # on weights up to 0.14)
+        # float rounding of the summed micro-batches, which Adam scales up on near-zero gradients (measured: 3e-4 at
+        # most, on weights up to 0.14)
         assert all(torch.allclose(params[n], p, atol=1e-3) for n, p in want_params.items())
     model, _ = _model(tiny_base, dropout=0.0)
     from qevolve.models.base import causal_lm
@@ -132,7 +153,9 @@ def test_a_token_budget_and_compiled_layers_change_how_the_update_is_computed_no
     assert any(not torch.equal(start[n], p) for n, p in want_params.items())  # training changed the adapter
     curve = [{"tokens": 300, "seconds": 2.0}, {"tokens": 100, "seconds": 2.0}]
     lm = causal_lm(model)  # embeddings trained: peft keeps the originals and trained copies of both, all left out
-    embeddings = {id(p): p.numel() for m in (lm.get_input_embeddings(), lm.get_output_embeddings()) for p in m.parameters()}
+    embeddings = {
+        id(p): p.numel() for m in (lm.get_input_embeddings(), lm.get_output_embeddings()) for p in m.parameters()
+    }
     assert len(embeddings) >= 3
     n = sum(p.numel() for p in model.parameters()) - sum(embeddings.values())
     assert train_speed(model, curve) == {"train_tokens": 400, "tokens_per_s": 100.0}  # no peak known for a CPU

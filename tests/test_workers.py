@@ -23,7 +23,13 @@ CFG = EnvConfig(name="textcraft", step_timeout=3, start_timeout=120)
 def ray_cluster():
     """A local Ray cluster on loopback for the module's Ray tests (about 25 s to start on 2 cores)."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=2**28, _node_ip_address="127.0.0.1", log_to_driver=False)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=2**28,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
     yield
     ray.shutdown()
 
@@ -78,8 +84,18 @@ def _rollout(cfg, tiny_tokenizer, sabotage, *, retries, episodes=4, ratio=0.0):
 
     actor.act = act_and_sabotage
     tasks = make_env(CFG).tasks("train")[:episodes]
-    trajs = play(factory, tasks, actor, max_steps=4, greedy=True, source="p", batch_size=2, retries=retries,
-                 parallel=True, max_failure_ratio=ratio)
+    trajs = play(
+        factory,
+        tasks,
+        actor,
+        max_steps=4,
+        greedy=True,
+        source="p",
+        batch_size=2,
+        retries=retries,
+        parallel=True,
+        max_failure_ratio=ratio,
+    )
     assert all(_gone(w) for w in workers)  # every worker is gone after the rollout
     return trajs, workers
 
@@ -104,7 +120,9 @@ def test_without_retries_the_episode_is_recorded_as_failed_with_the_reason(cfg, 
     trajs, _ = _rollout(cfg, tiny_tokenizer, lambda pid: os.kill(pid, signal.SIGKILL), retries=0, ratio=0.5)
     failed = [t for t in trajs if t.failure.startswith("env_error")]
     # the kill lands while the step runs, or (on a loaded machine) before it is sent
-    assert len(failed) == 1 and re.search(r"EnvWorkerError: environment (worker \d+|actor) (died during step|is not running)", failed[0].failure)
+    assert len(failed) == 1 and re.search(
+        r"EnvWorkerError: environment (worker \d+|actor) (died during step|is not running)", failed[0].failure
+    )
     assert sum(t.failure == "max_steps" for t in trajs) == 3  # the others ran on
 
 
@@ -137,11 +155,16 @@ def test_ray_actors_serve_the_same_expert_trajectories_as_worker_processes(tmp_p
         (tmp_path / kind).mkdir()
         monkeypatch.chdir(tmp_path / kind)
         run_stage("experts", parse_params(raw), None)
-        trajectories[kind] = [(t.task_id, t.won, [(s.action, s.observation, s.reward) for s in t.steps]) for t in read_store(paths.EXPERTS)]
+        trajectories[kind] = [
+            (t.task_id, t.won, [(s.action, s.observation, s.reward) for s in t.steps])
+            for t in read_store(paths.EXPERTS)
+        ]
     assert len(trajectories["ray"]) == 6 and trajectories["ray"] == trajectories["process"]
 
 
-@pytest.mark.parametrize("section, moved", [("env", {"worker": "ray", "ray_cpus": 1.0}), ("policy", {"replicas": 4, "replica_cpus": 2.0})])
+@pytest.mark.parametrize(
+    "section, moved", [("env", {"worker": "ray", "ray_cpus": 1.0}), ("policy", {"replicas": 4, "replica_cpus": 2.0})]
+)
 def test_where_environments_and_policy_replicas_run_is_not_part_of_a_stages_lineage(section, moved):
     import yaml
 
@@ -191,7 +214,9 @@ def test_policy_replicas_play_the_same_episodes_as_the_stages_process(tmp_path, 
         for replicas, (backend, tok) in backends.items():
             actor = Actor(None, tok, PromptBuilder(tok, 256), mode, 50.0, 6, backend=backend)
             env = Corridor()
-            trajs = play(lambda: env, env.tasks("train") * 2, actor, max_steps=4, greedy=False, source="p", batch_size=3, seed=1)
+            trajs = play(
+                lambda: env, env.tasks("train") * 2, actor, max_steps=4, greedy=False, source="p", batch_size=3, seed=1
+            )
             runs[replicas] = [[(s.output, round(s.logp, 3)) for s in t.steps] for t in trajs]
         assert runs[2] == runs[0] and len({str(r) for r in runs[0]}) > 1
     assert backends[2][0].placement() == {**backends[0][0].placement(), "replicas": 2}

@@ -11,13 +11,23 @@ import importlib
 import importlib.util
 import pkgutil
 import re
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Literal
+from typing import TYPE_CHECKING, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from qevolve.environments import ENVIRONMENTS, HELDOUT
 from qevolve.errors import UserError
@@ -26,7 +36,10 @@ from qevolve.errors import UserError
 class ConfigError(UserError, ValueError):
     """A params file that does not validate; the message names the file and each bad key."""
 
-    hint = "fix the keys named above; src/qevolve/config.py and each method's config.py (src/qevolve/methods/) document every key, and profiles/ holds each environment's changes to params.yaml"
+    hint = (
+        "fix the keys named above; src/qevolve/config.py and each method's config.py (src/qevolve/methods/) "
+        "document every key, and profiles/ holds each environment's changes to params.yaml"
+    )
 
 
 _paths: dict[int, str] | None = None
@@ -47,7 +60,7 @@ class Section(BaseModel):
 
 
 @contextmanager
-def recorded_reads(params: "Params") -> Iterator[set[str]]:
+def recorded_reads(params: Params) -> Iterator[set[str]]:
     """The set of `params`' leaf keys (`bc.lr`, `model.lora.r`, `evaluate.splits`) read inside the block:
     what a stage really reads, checked against what its recipe declares (`qevolve.stages.run_stage`)."""
     global _paths
@@ -71,15 +84,16 @@ def recorded_reads(params: "Params") -> Iterator[set[str]]:
 
 
 class TerminalConfig(Section):
-    """`env.terminal`: the terminal environment's sandbox and limits (`qevolve.envs.terminal`, `qevolve.envs.sandbox`)."""
+    """`env.terminal`: the terminal environment's sandbox and limits (`qevolve.envs.terminal`,
+    `qevolve.envs.sandbox`)."""
 
     sandbox: Literal["bwrap", "docker", "local"] = "bwrap"
     """`bwrap` (bubblewrap: no network, read-only system, own user and PID namespace), `docker` (a container of
     `image`), or `local`: no isolation at all."""
     image: str = ""
-    """`docker`: the image each episode's container runs; it must hold bash, python3 and pytest (it is not pulled). A task
-    with its own Dockerfile (`environment/Dockerfile`, from `qevolve terminal-import --build`) runs in its own image
-    instead, under any sandbox but `local`."""
+    """`docker`: the image each episode's container runs; it must hold bash, python3 and pytest (it is not pulled). A
+    task with its own Dockerfile (`environment/Dockerfile`, from `qevolve terminal-import --build`) runs in its own
+    image instead, under any sandbox but `local`."""
     command_timeout: float = Field(30.0, gt=0)
     """Seconds a command may run before its processes are killed (the shell survives)."""
     episode_timeout: float = Field(360.0, gt=0)
@@ -107,8 +121,8 @@ class TerminalConfig(Section):
     verifier_timeout: float = Field(600.0, gt=0)
     """The most seconds the validators may take, whatever a task's `[verifier] timeout_sec` says."""
     build_network: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    """The network `docker build` gives a task built from its Dockerfile (`qevolve.envs.task_images`): `default`, Docker's
-    bridge, or `host` where the engine has none (its commands then reach this host's loopback services too)."""
+    """The network `docker build` gives a task built from its Dockerfile (`qevolve.envs.task_images`): `default`,
+    Docker's bridge, or `host` where the engine has none (its commands then reach this host's loopback services too)."""
     build_timeout: float = Field(1800.0, gt=0)
     """Seconds a task image's build may take."""
 
@@ -217,11 +231,13 @@ class ExpertsConfig(Section):
         return v
 
     @model_validator(mode="after")
-    def _corrupt_within_the_draw(self) -> "ExpertsConfig":
+    def _corrupt_within_the_draw(self) -> ExpertsConfig:
         c = self.corrupt
         if c.episodes > max(self.demos.values()):
-            raise ValueError(f"corrupt.episodes: {c.episodes} is more than the {max(self.demos.values())} tasks the experts draw "
-                             "(the corrupted episodes replay the first tasks of that draw)")
+            raise ValueError(
+                f"corrupt.episodes: {c.episodes} is more than the {max(self.demos.values())} tasks the experts draw "
+                "(the corrupted episodes replay the first tasks of that draw)"
+            )
         if c.expert and c.expert not in self.demos:
             raise ValueError(f"corrupt.expert: {c.expert!r} is not one of the experts in demos {list(self.demos)}")
         return self
@@ -268,7 +284,7 @@ class ModelConfig(Section):
     metrics record it (`device`)."""
 
     @model_validator(mode="after")
-    def _pretrained_keeps_embeddings(self) -> "ModelConfig":
+    def _pretrained_keeps_embeddings(self) -> ModelConfig:
         if self.base != "embedded" and "train_embeddings" not in self.lora.model_fields_set:
             object.__setattr__(self, "lora", self.lora.model_copy(update={"train_embeddings": False}))
         return self
@@ -447,7 +463,10 @@ class CommonParams(Section):
     @classmethod
     def _moved_keys(cls, raw):
         if isinstance(raw, dict) and isinstance(raw.get("evolve"), dict) and "method" in raw["evolve"]:
-            raise ValueError(f"evolve.method: the method is now the top-level key `method` (e.g. `method: {raw['evolve']['method']}`)")
+            raise ValueError(
+                f"evolve.method: the method is now the top-level key `method` (e.g. `method: "
+                f"{raw['evolve']['method']}`)"
+            )
         return raw
 
     @field_validator("method")
@@ -458,19 +477,26 @@ class CommonParams(Section):
         return method
 
     @model_validator(mode="after")
-    def _fits_env(self) -> "CommonParams":
+    def _fits_env(self) -> CommonParams:
         env = ENVIRONMENTS[self.env.name]
-        for key, names in (("experts.split", [self.experts.split]), ("collect.split", [self.collect.split]),
-                           ("evaluate.splits", list(self.evaluate.splits))):
+        for key, names in (
+            ("experts.split", [self.experts.split]),
+            ("collect.split", [self.collect.split]),
+            ("evaluate.splits", list(self.evaluate.splits)),
+        ):
             check_splits(self, key, names)
         unknown = sorted(set(self.experts.demos) - set(env.experts))
         if unknown:
-            raise ValueError(f"experts.demos: {self.env.name} has no expert(s) {unknown}; expected some of {list(env.experts)}")
+            raise ValueError(
+                f"experts.demos: {self.env.name} has no expert(s) {unknown}; expected some of {list(env.experts)}"
+            )
         if self.policy.action_mode == "admissible" and not env.lists_actions:
             raise ValueError(f"policy.action_mode: {self.env.name} does not list valid actions; use `free`")
         if self.policy.backend == "vllm" and self.model.lora.train_embeddings:
-            raise ValueError("policy.backend: vLLM refuses LoRA adapters that train the embeddings (modules_to_save); set "
-                             "model.lora.train_embeddings: false with a pretrained base, or use policy.backend hf")
+            raise ValueError(
+                "policy.backend: vLLM refuses LoRA adapters that train the embeddings (modules_to_save); set "
+                "model.lora.train_embeddings: false with a pretrained base, or use policy.backend hf"
+            )
         for module in _method_configs():
             if hasattr(module, "check"):
                 module.check(self)
@@ -503,9 +529,11 @@ def _method_configs() -> list:
     global _assembling
 
     if _assembling:
-        raise ImportError("qevolve.config.Params was used while the method packages were being imported to build it: a method's "
-                          "package (its __init__ or config) imports a module that uses Params at import time; import it under "
-                          "TYPE_CHECKING there, or inside the function that needs it")
+        raise ImportError(
+            "qevolve.config.Params was used while the method packages were being imported to build it: a method's "
+            "package (its __init__ or config) imports a module that uses Params at import time; import it under "
+            "TYPE_CHECKING there, or inside the function that needs it"
+        )
     _assembling = True
     try:
         names = [f"qevolve.methods.{m}.config" for m in methods()]
@@ -521,7 +549,9 @@ def method_sections() -> dict[str, type[Section]]:
     for module in _method_configs():
         for name, cls in module.SECTIONS.items():
             if name in CommonParams.model_fields or found.get(name, cls) is not cls:
-                raise TypeError(f"{module.__name__}: section {name!r} is already a section of params.yaml; name it after the method")
+                raise TypeError(
+                    f"{module.__name__}: section {name!r} is already a section of params.yaml; name it after the method"
+                )
             found[name] = cls
     return found
 
@@ -529,8 +559,12 @@ def method_sections() -> dict[str, type[Section]]:
 @cache
 def params_model() -> type[CommonParams]:
     """`Params`, the model of params.yaml: the shared sections and every method's own, assembled at its first use."""
-    return create_model("Params", __base__=CommonParams, __doc__="params.yaml: the shared sections and every method's own.",
-                        **{name: (cls, cls()) for name, cls in method_sections().items()})
+    return create_model(
+        "Params",
+        __base__=CommonParams,
+        __doc__="params.yaml: the shared sections and every method's own.",
+        **{name: (cls, cls()) for name, cls in method_sections().items()},
+    )
 
 
 if TYPE_CHECKING:
@@ -538,13 +572,24 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str):
-    if name == "Params":  # `from qevolve.config import Params`: built when first asked for, after every module has loaded
+    if (
+        name == "Params"
+    ):  # `from qevolve.config import Params`: built when first asked for, after every module has loaded
         return params_model()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-EXECUTION_PATHS = ("model.device", "train", "env.worker", "env.ray_cpus", "policy.backend", "policy.compile", "policy.gpu_memory",
-                   "policy.replicas", "policy.replica_cpus")
+EXECUTION_PATHS = (
+    "model.device",
+    "train",
+    "env.worker",
+    "env.ray_cpus",
+    "policy.backend",
+    "policy.compile",
+    "policy.gpu_memory",
+    "policy.replicas",
+    "policy.replica_cpus",
+)
 """Where and how a stage computes, not what: left out of DVC's params and of the evolution's identity."""
 
 
@@ -585,8 +630,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
             if key in seen:
-                raise ConfigError(f"key {key!r} appears twice in one mapping (lines {seen[key]} and {key_node.start_mark.line + 1}); "
-                                  "YAML would silently keep the last one")
+                raise ConfigError(
+                    f"key {key!r} appears twice in one mapping (lines {seen[key]} and {key_node.start_mark.line + 1}); "
+                    "YAML would silently keep the last one"
+                )
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
 
@@ -599,7 +646,8 @@ def parse_params(raw: dict, source: Path | str = "<params>") -> Params:
 
 
 def read_yaml(path: Path | str, empty_ok: bool = False) -> dict:
-    """A params file's mapping, unvalidated (a key given twice, bad YAML or no mapping: a `ConfigError` naming the file)."""
+    """A params file's mapping, unvalidated (a key given twice, bad YAML or no mapping: a `ConfigError` naming the
+    file)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: params file not found")

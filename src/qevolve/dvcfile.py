@@ -30,6 +30,8 @@ PACKAGE = Path(__file__).resolve().parent
 ENTRY_POINTS = ("qevolve.cli", "qevolve.stages")
 """What `qevolve run STAGE` runs before the stage's own module: only their module-level imports are
 followed (their function-level ones dispatch to every stage)."""
+
+
 def _module_file(name: str) -> Path | None:
     """The file of a module of this package (`qevolve.models.base`), or None for any other module."""
     top, *rest = name.split(".")
@@ -91,18 +93,34 @@ def _entry(stage: Stage, params: Params, iterations: list[int]) -> dict:
     k = 0 if stage.once else iterations[0]
     body = {
         "cmd": f"qevolve run {stage.name}" + ("" if stage.once else " --iteration ${key}"),
-        "deps": list(dict.fromkeys([*code_deps(stage.module, _section_modules(stage, params), params.env.name),
-                                    *(ref(a, p) for a, p in stage.reads(k).items()),
-                                    *filter(None, (str(_value(params, key)) for key in stage.path_params))])),
+        "deps": list(
+            dict.fromkeys(
+                [
+                    *code_deps(stage.module, _section_modules(stage, params), params.env.name),
+                    *(ref(a, p) for a, p in stage.reads(k).items()),
+                    *filter(None, (str(_value(params, key)) for key in stage.path_params)),
+                ]
+            )
+        ),
         "params": [key for key in _lineage_keys(stage.params, params) if _given(params, key)],
-        "outs": [ref(a, p) for a, p in stage.writes(k).items()] + ([{str(paths.details(name)): {"cache": False}}] if stage.details else []),
+        "outs": [ref(a, p) for a, p in stage.writes(k).items()]
+        + ([{str(paths.details(name)): {"cache": False}}] if stage.details else []),
         "metrics": [{str(paths.metrics(name)): {"cache": False}}],
     }
     if not body["outs"]:  # a stage that only reports (`diagnose@k`)
         del body["outs"]
     if stage.curve:
         x, y, *template = stage.curve
-        body["plots"] = [{str(paths.curve(name)): {"x": x, "y": y, **({"template": template[0]} if template else {}), "cache": False}}]
+        body["plots"] = [
+            {
+                str(paths.curve(name)): {
+                    "x": x,
+                    "y": y,
+                    **({"template": template[0]} if template else {}),
+                    "cache": False,
+                }
+            }
+        ]
     if stage.once:
         return body
     items = {str(k): {a: str(p) for a, p in {**stage.reads(k), **stage.writes(k)}.items()} for k in iterations}
@@ -121,7 +139,11 @@ def spec(params: Params) -> dict:
     loop = list(range(1, params.evolve.iterations + 1))
     stages = {s.name: _entry(s, params, []) for s in recipe.setup}
     if loop:
-        stages |= {s.name: _entry(s, params, at) for s in recipe.iteration_stages(params) if (at := [k for k in loop if s.runs_at(k)])}
+        stages |= {
+            s.name: _entry(s, params, at)
+            for s in recipe.iteration_stages(params)
+            if (at := [k for k in loop if s.runs_at(k)])
+        }
     stages["evaluate"] = _entry(recipe.evaluate(), params, [0, *loop])
     _env_data_deps(params, [*recipe.setup, *recipe.iteration_stages(params), recipe.evaluate()], stages)
     return {"stages": stages}
@@ -145,7 +167,11 @@ def _env_data_deps(params: Params, specs: list[Stage], stages: dict) -> None:
     data = params.env.data_dir
     for s in specs:
         body = stages.get(s.name)
-        if body is not None and data not in {str(p) for p in s.writes(1).values()} and any(k == "env" or k.startswith("env.") for k in s.params):
+        if (
+            body is not None
+            and data not in {str(p) for p in s.writes(1).values()}
+            and any(k == "env" or k.startswith("env.") for k in s.params)
+        ):
             deps = body.get("do", body)["deps"]
             deps += [data] * (data not in deps)
 
@@ -215,4 +241,3 @@ def write(params: Params, path: Path = Path("dvc.yaml")) -> bool:
     with atomic_path(path) as tmp:
         tmp.write_text(text)
     return True
-

@@ -11,8 +11,10 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
-REPLY = ("At each turn, reply with one action as 'Action: <command>' (you may think first on a line "
-         "'Thought: ...'). The environment answers with what you observe.")
+REPLY = (
+    "At each turn, reply with one action as 'Action: <command>' (you may think first on a line "
+    "'Thought: ...'). The environment answers with what you observe."
+)
 """How every prompt asks for an action (the end of each environment's `intro`)."""
 HELDOUT = "heldout"
 """The split of train tasks that `env.heldout` sets aside for evaluation (`qevolve.envs.select_tasks`)."""
@@ -41,27 +43,63 @@ class EnvSpec:
     """Its actions are case-sensitive (shell commands): parsed as written, the others' lower-cased."""
 
 
-ENVIRONMENTS = {spec.name: spec for spec in (
-    EnvSpec("alfworld", "qevolve.envs.alfworld", ("train", "valid_seen", "valid_unseen", "valid_train"), ("handcoded", "walkthrough"),
+ENVIRONMENTS = {
+    spec.name: spec
+    for spec in (
+        EnvSpec(
+            "alfworld",
+            "qevolve.envs.alfworld",
+            ("train", "valid_seen", "valid_unseen", "valid_train"),
+            ("handcoded", "walkthrough"),
             f"Interact with a household to solve a task. {REPLY}",
             "ALFWorld's game files in $ALFWORLD_DATA (prepared by `make setup`)",
-            task_types=("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep", "pick_heat_then_place_in_recep",
-                        "pick_cool_then_place_in_recep", "pick_two_obj_and_place")),
-    EnvSpec("scienceworld", "qevolve.envs.scienceworld", ("train", "valid_seen", "valid_unseen"), ("gold",),
+            task_types=(
+                "pick_and_place_simple",
+                "look_at_obj_in_light",
+                "pick_clean_then_place_in_recep",
+                "pick_heat_then_place_in_recep",
+                "pick_cool_then_place_in_recep",
+                "pick_two_obj_and_place",
+            ),
+        ),
+        EnvSpec(
+            "scienceworld",
+            "qevolve.envs.scienceworld",
+            ("train", "valid_seen", "valid_unseen"),
+            ("gold",),
             f"Carry out a science experiment in a simulated world to solve a task. {REPLY}",
-            "the `scienceworld` package, and its split files in $QEVOLVE_SPLITS/sciworld"),
-    EnvSpec("webshop", "qevolve.envs.webshop", ("train", "test"), ("gold",),
+            "the `scienceworld` package, and its split files in $QEVOLVE_SPLITS/sciworld",
+        ),
+        EnvSpec(
+            "webshop",
+            "qevolve.envs.webshop",
+            ("train", "test"),
+            ("gold",),
             f"Shop on a web store for the product you are asked for. Use search[query] on the search page and "
             f"click[button] to click a listed button. {REPLY}",
-            "the catalogue and goals in env.data_dir or $WEBSHOP_DATA, the split files in $QEVOLVE_SPLITS/webshop"),
-    EnvSpec("textcraft", "qevolve.envs.textcraft", ("train", "test"), ("planner",),
+            "the catalogue and goals in env.data_dir or $WEBSHOP_DATA, the split files in $QEVOLVE_SPLITS/webshop",
+        ),
+        EnvSpec(
+            "textcraft",
+            "qevolve.envs.textcraft",
+            ("train", "test"),
+            ("planner",),
             f"Craft an item in Minecraft. Use 'get N item' for base items, 'craft N item using N item, ...' "
             f"with the listed recipes, and 'inventory'. {REPLY}",
-            "the recipes the `textcraft` package ships", task_types=("depth2", "depth3", "depth4")),
-    EnvSpec("terminal", "qevolve.envs.terminal", ("train", "test", "test_ood"), ("oracle",),
+            "the recipes the `textcraft` package ships",
+            task_types=("depth2", "depth3", "depth4"),
+        ),
+        EnvSpec(
+            "terminal",
+            "qevolve.envs.terminal",
+            ("train", "test", "test_ood"),
+            ("oracle",),
             f"Complete a task in a Linux shell, one bash command per turn; the command 'submit' ends the task. {REPLY}",
-            "the task folders env.data_dir/<split>/<task id>/ (TerminalTraj's `generate` writes them)", keep_case=True),
-)}
+            "the task folders env.data_dir/<split>/<task id>/ (TerminalTraj's `generate` writes them)",
+            keep_case=True,
+        ),
+    )
+}
 
 
 def adapter(name: str) -> ModuleType:

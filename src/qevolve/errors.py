@@ -16,8 +16,10 @@ class UserError(Exception):
 class DamagedArtifact(UserError):
     """A stage's output that is missing a file or cannot be read back."""
 
-    hint = ("`dvc checkout <stage>` restores the version dvc.lock records from DVC's cache (the flow does this by "
-            "itself when it finds an output changed); `dvc repro <stage>` rebuilds it")
+    hint = (
+        "`dvc checkout <stage>` restores the version dvc.lock records from DVC's cache (the flow does this by "
+        "itself when it finds an output changed); `dvc repro <stage>` rebuilds it"
+    )
 
 
 class BadName(UserError, ValueError):

@@ -13,11 +13,23 @@ from qevolve.errors import UserError
 
 
 class LLMError(UserError, RuntimeError):
-    hint = "the URL must be the base of an OpenAI-compatible server (…/v1) that answers /chat/completions; OPENAI_API_KEY is sent as its bearer token when set"
+    hint = (
+        "the URL must be the base of an OpenAI-compatible server (…/v1) that answers /chat/completions; "
+        "OPENAI_API_KEY is sent as its bearer token when set"
+    )
 
 
-def chat(url: str, model: str, messages: list[dict], *, key: str, timeout: float = 60.0, temperature: float = 0.0,
-         max_tokens: int | None = None, error: type[Exception] = LLMError) -> str:
+def chat(
+    url: str,
+    model: str,
+    messages: list[dict],
+    *,
+    key: str,
+    timeout: float = 60.0,
+    temperature: float = 0.0,
+    max_tokens: int | None = None,
+    error: type[Exception] = LLMError,
+) -> str:
     """The reply's text. Any failure to get one is `error`, naming `key` (the params key) and the URL."""
     body = {"model": model, "temperature": temperature, "messages": messages}
     if max_tokens:
@@ -30,7 +42,9 @@ def chat(url: str, model: str, messages: list[dict], *, key: str, timeout: float
         with urllib.request.urlopen(request, timeout=timeout) as reply:
             content = json.loads(reply.read())["choices"][0]["message"]["content"]
     except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError) as err:
-        raise error(f"{key} = {url!r}: no usable answer from {url.rstrip('/')}/chat/completions ({type(err).__name__}: {err})") from None
+        raise error(
+            f"{key} = {url!r}: no usable answer from {url.rstrip('/')}/chat/completions ({type(err).__name__}: {err})"
+        ) from None
     if not isinstance(content, str):
         raise error(f"{key} = {url!r}: the answer's content is {type(content).__name__}, not text")
     return content

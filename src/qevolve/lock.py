@@ -21,9 +21,9 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from qevolve.errors import UserError
 
@@ -32,7 +32,9 @@ INHERIT = "QEVOLVE_LOCK_HELD"
 
 
 class WorkspaceBusy(UserError, RuntimeError):
-    hint = "one evolution per workspace: wait for the one named above, stop it, or clone the project into another folder"
+    hint = (
+        "one evolution per workspace: wait for the one named above, stop it, or clone the project into another folder"
+    )
 
 
 _held: dict[Path, int] = {}
@@ -58,10 +60,17 @@ def workspace_lock(root: Path | str, what: str) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise WorkspaceBusy(f"{path.parent.parent}: another qevolve process is using this workspace ({_holder(path)}); "
-                                "wait for it to finish or stop it, then run again") from None
-        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "what": what, "command": " ".join(sys.argv)}
+            raise WorkspaceBusy(
+                f"{path.parent.parent}: another qevolve process is using this workspace ({_holder(path)}); "
+                "wait for it to finish or stop it, then run again"
+            ) from None
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "what": what,
+            "command": " ".join(sys.argv),
+        }
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps(holder).encode())
         _held[path] = 1

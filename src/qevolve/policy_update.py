@@ -13,11 +13,9 @@ from qevolve.algos.rl import clip_fraction, policy_loss
 from qevolve.config import Params
 from qevolve.data.store import Trajectory
 from qevolve.models.base import next_token_logprobs, target_logprobs
-from qevolve.models.device import model_device
+from qevolve.models.device import model_device, pad_ids
 from qevolve.models.prompt import Window
 from qevolve.training import is_sharded, local_share
-from qevolve.models.device import pad_ids
-
 
 
 @dataclass
@@ -56,7 +54,9 @@ def reference_pass(model, items: list[PolicyItem], pad_id: int, batch_size: int)
     return out
 
 
-def policy_items(builder, trajs: list[Trajectory], advantages: dict[tuple[str, int], float], data_dir: Path) -> list[PolicyItem]:
+def policy_items(
+    builder, trajs: list[Trajectory], advantages: dict[tuple[str, int], float], data_dir: Path
+) -> list[PolicyItem]:
     items = []
     for t in trajs:
         windows = builder.windows(t.instruction, [s.observation for s in t.steps], [s.output for s in t.steps])
@@ -85,8 +85,19 @@ def policy_step(model, micro: list[list[PolicyItem]], params: Params, pad_id: in
         tok_new = torch.cat([lp for per in new_tokens for lp in per])
         tok_ref = torch.cat([r for it in mb for r in it.reference]).to(device)
         loss, pg, kl = policy_loss(
-            logp_new, logp_b, adv, tok_new, tok_ref, algo=cfg.algo, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-            kl_coef=cfg.kl_coef, awr_beta=cfg.awr_beta, awr_max_weight=cfg.awr_max_weight, step_share=share, token_share=len(tok_new) / n_tokens,
+            logp_new,
+            logp_b,
+            adv,
+            tok_new,
+            tok_ref,
+            algo=cfg.algo,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            kl_coef=cfg.kl_coef,
+            awr_beta=cfg.awr_beta,
+            awr_max_weight=cfg.awr_max_weight,
+            step_share=share,
+            token_share=len(tok_new) / n_tokens,
         )
         (loss * scale).backward()
         share *= scale
@@ -111,7 +122,9 @@ def policy_kl(old, new, windows: list, pad_id: int, batch_size: int) -> tuple[fl
         for b, w in enumerate(windows[i : i + batch_size]):
             mask[b, : len(w.mask)] = torch.tensor(w.mask)
         p = next_token_logprobs(old, ids, mask, attention_mask=attn)
-        q = next_token_logprobs(new, ids.to(model_device(new)), mask.to(model_device(new)), attention_mask=attn.to(model_device(new))).to(p.device)
+        q = next_token_logprobs(
+            new, ids.to(model_device(new)), mask.to(model_device(new)), attention_mask=attn.to(model_device(new))
+        ).to(p.device)
         total += float((p.exp() * (p - q)).sum())
         count += len(p)
     return total / max(count, 1), count

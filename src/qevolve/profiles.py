@@ -59,7 +59,9 @@ def resolve(path: Path | str) -> dict:
         return raw
     base = path.parent.parent / "params.yaml"
     if not base.exists():
-        raise ConfigError(f"{path}: a profile lists what differs from the checkout's params.yaml, and there is no {base}")
+        raise ConfigError(
+            f"{path}: a profile lists what differs from the checkout's params.yaml, and there is no {base}"
+        )
     return overlay(read_yaml(base), raw)
 
 

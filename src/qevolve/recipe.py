@@ -13,9 +13,9 @@ params.yaml; nothing else registers it (docs/adding-a-method.md).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from qevolve import paths
 from qevolve.config import methods
@@ -102,12 +102,37 @@ class Stage:
 
 BC_LOGGED = Logged(("loss",), ("out", "bc_adapter"))
 SETUP = (
-    Stage("experts", "qevolve.stages.experts", lambda k: {}, lambda k: {"out": paths.EXPERTS}, ("env", "experts"), once=True, details=True,
-          logged=PLAYED, accelerated=False),
-    Stage("base", "qevolve.stages.base", lambda k: {"experts_dir": paths.EXPERTS}, lambda k: {"out": paths.BASE},
-          ("env.name", "model.base", "model.embedded", "model.context_tokens"), once=True, accelerated=False),
-    Stage("bc", "qevolve.stages.bc", lambda k: {"base_dir": paths.BASE, "experts_dir": paths.EXPERTS}, lambda k: {"out": paths.BC},
-          ("env", *MODEL_PARAMS, "prompt", "bc"), once=True, curve=("step", "loss"), trainer=True, logged=BC_LOGGED),
+    Stage(
+        "experts",
+        "qevolve.stages.experts",
+        lambda k: {},
+        lambda k: {"out": paths.EXPERTS},
+        ("env", "experts"),
+        once=True,
+        details=True,
+        logged=PLAYED,
+        accelerated=False,
+    ),
+    Stage(
+        "base",
+        "qevolve.stages.base",
+        lambda k: {"experts_dir": paths.EXPERTS},
+        lambda k: {"out": paths.BASE},
+        ("env.name", "model.base", "model.embedded", "model.context_tokens"),
+        once=True,
+        accelerated=False,
+    ),
+    Stage(
+        "bc",
+        "qevolve.stages.bc",
+        lambda k: {"base_dir": paths.BASE, "experts_dir": paths.EXPERTS},
+        lambda k: {"out": paths.BC},
+        ("env", *MODEL_PARAMS, "prompt", "bc"),
+        once=True,
+        curve=("step", "loss"),
+        trainer=True,
+        logged=BC_LOGGED,
+    ),
 )
 """The stages every method starts with, once."""
 
@@ -117,7 +142,7 @@ class Recipe:
     """A method: what happens in each of its iterations k >= 1 before `evaluate@k`."""
 
     name: str
-    iteration: Callable[[object, "Recipe"], tuple[Stage, ...]]
+    iteration: Callable[[object, Recipe], tuple[Stage, ...]]
     """(params, the recipe it runs in) -> the stages of every iteration, in run order, before `evaluate@k`.
     The recipe is passed so that a method can run another's iteration after setup stages of its own
     (TerminalTraj runs Q-Evolve's): the stages read `recipe.steps_before`, not their own method's."""
@@ -148,9 +173,12 @@ class Recipe:
 
     def evaluate(self) -> Stage:
         return Stage(
-            "evaluate", self.evaluate_module,
+            "evaluate",
+            self.evaluate_module,
             lambda k: {"base_dir": paths.BASE, "policy_dir": paths.policy(k), "env_steps_path": self.steps_before(k)},
-            lambda k: {"out": paths.evaluation(k)}, (*ACTING_PARAMS, "evaluate", *self.evaluate_params), takes_iteration=True,
+            lambda k: {"out": paths.evaluation(k)},
+            (*ACTING_PARAMS, "evaluate", *self.evaluate_params),
+            takes_iteration=True,
             logged=PLAYED,
         )
 
@@ -165,16 +193,20 @@ class Recipe:
     def stage(self, name: str, params) -> Stage:
         found = {s.name: s for s in self.stages(params)}
         if name not in found:
-            raise UnknownStage(f"stage {name!r} is not a stage of method {self.name!r} with these parameters; expected one of {list(found)}")
+            raise UnknownStage(
+                f"stage {name!r} is not a stage of method {self.name!r} with these parameters; expected one of "
+                f"{list(found)}"
+            )
         return found[name]
 
     def order(self, params, iterations: int) -> list[tuple[Stage, int | None]]:
         """(stage, iteration) in run order for `iterations` iterations (None for a once-only stage)."""
         each = (*self.iteration_stages(params), self.evaluate())
-        return ([(s, None) for s in self.setup] + [(self.evaluate(), 0)]
-                + [(s, k) for k in range(1, iterations + 1) for s in each if s.runs_at(k)])
-
-
+        return (
+            [(s, None) for s in self.setup]
+            + [(self.evaluate(), 0)]
+            + [(s, k) for k in range(1, iterations + 1) for s in each if s.runs_at(k)]
+        )
 
 
 def load_recipe(method: str) -> Recipe:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -102,9 +102,25 @@ def play(
 class _Rollout:
     """`play`'s state: an environment per slot, the tasks waiting, each slot's episode, the finished ones."""
 
-    def __init__(self, make_env: Callable[[], TextEnv], tasks: list[Task], batch_size: int, source: str, seed: int, desc: str,
-                 retries: int, parallel: bool):
-        self.make_env, self.tasks, self.source, self.seed, self.desc, self.retries = make_env, tasks, source, seed, desc, retries
+    def __init__(
+        self,
+        make_env: Callable[[], TextEnv],
+        tasks: list[Task],
+        batch_size: int,
+        source: str,
+        seed: int,
+        desc: str,
+        retries: int,
+        parallel: bool,
+    ):
+        self.make_env, self.tasks, self.source, self.seed, self.desc, self.retries = (
+            make_env,
+            tasks,
+            source,
+            seed,
+            desc,
+            retries,
+        )
         self.envs = [make_env() for _ in range(min(batch_size, len(tasks)))]
         self.queue = list(enumerate(tasks))
         self.attempts = [0] * len(tasks)
@@ -125,8 +141,10 @@ class _Rollout:
         if self.attempts[index] < self.retries:
             self.attempts[index] += 1
             self.queue.insert(0, (index, self.tasks[index]))
-            self.bar.write(f"{self.desc}: {self.tasks[index].id}: environment failed ({err}); restarting the episode "
-                           f"({self.attempts[index]}/{self.retries})")
+            self.bar.write(
+                f"{self.desc}: {self.tasks[index].id}: environment failed ({err}); restarting the episode "
+                f"({self.attempts[index]}/{self.retries})"
+            )
             return
         traj.won, traj.failure = False, env_error(err)
         self.finish(index, traj)
@@ -157,7 +175,9 @@ class _Rollout:
         outputs = [clean_text(d.output) for d in decisions]  # whatever the backend decoded, the store holds valid UTF-8
         actions = [actor.parse(o) for o in outputs]
         stepping = [(s, a) for s, a in zip(active, actions) if a is not None]
-        stepped = dict(zip([s for s, _ in stepping], self.map(lambda job: _attempt(self.envs[job[0]].step, job[1]), stepping)))
+        stepped = dict(
+            zip([s for s, _ in stepping], self.map(lambda job: _attempt(self.envs[job[0]].step, job[1]), stepping))
+        )
         moved = []
         for s, ep, d, output, action in zip(active, episodes, decisions, outputs, actions):
             if action is None:
@@ -167,12 +187,28 @@ class _Rollout:
                 if isinstance(r, Exception):
                     self.fail(s, self.slots[s][0], ep.traj, r)
                     continue
-                obs, reward, done, won, valid, admissible = r.observation, r.reward, r.done, r.won, r.valid, r.admissible
+                obs, reward, done, won, valid, admissible = (
+                    r.observation,
+                    r.reward,
+                    r.done,
+                    r.won,
+                    r.valid,
+                    r.admissible,
+                )
             ep.traj.steps.append(
                 StepRecord(
-                    step=len(ep.outputs), observation=ep.observations[-1], output=output, action=action,
-                    next_observation=obs, reward=reward, done=done, won=won, valid=valid,
-                    logp=d.logp, prompt_tokens=d.prompt_tokens, output_tokens=d.output_tokens,
+                    step=len(ep.outputs),
+                    observation=ep.observations[-1],
+                    output=output,
+                    action=action,
+                    next_observation=obs,
+                    reward=reward,
+                    done=done,
+                    won=won,
+                    valid=valid,
+                    logp=d.logp,
+                    prompt_tokens=d.prompt_tokens,
+                    output_tokens=d.output_tokens,
                 )
             )
             moved.append(ep)
@@ -198,8 +234,14 @@ class _Rollout:
 def play_in(cfg: EnvConfig, tasks: list[Task], actor: Actor, **kwargs) -> list[Trajectory]:
     """`play` on environments built from `cfg`: its step cap, failure ratio, retries and worker processes."""
     return play(
-        lambda: make_configured_env(cfg, worker=cfg.processes), tasks, actor, max_steps=cfg.max_steps,
-        max_failure_ratio=cfg.max_failure_ratio, retries=cfg.retries, parallel=cfg.processes, **kwargs,
+        lambda: make_configured_env(cfg, worker=cfg.processes),
+        tasks,
+        actor,
+        max_steps=cfg.max_steps,
+        max_failure_ratio=cfg.max_failure_ratio,
+        retries=cfg.retries,
+        parallel=cfg.processes,
+        **kwargs,
     )
 
 
@@ -226,8 +268,13 @@ def episode_metrics(trajs: list[Trajectory]) -> dict:
         "repeated_rate": repeated / max(len(steps), 1),
         "output_tokens_per_episode": sum(s.output_tokens for s in steps) / n,
         "prompt_tokens_per_episode": sum(s.prompt_tokens for s in steps) / n,
-        "by_type": {ty: {"episodes": sum(t.task_type == ty for t in trajs), "won": sum(t.won for t in trajs if t.task_type == ty)}
-                    for ty in types},
+        "by_type": {
+            ty: {
+                "episodes": sum(t.task_type == ty for t in trajs),
+                "won": sum(t.won for t in trajs if t.task_type == ty),
+            }
+            for ty in types
+        },
     }
 
 
@@ -247,8 +294,12 @@ def count_round(state: dict, trajs: list[Trajectory], env_cfg: EnvConfig, stage:
 
 def online_metrics(state: dict, previous_metrics: Path) -> dict:
     """An online stage's rounds, episodes and success rate, and what it spent (`spent`), from its counts."""
-    return {"rounds": state["round"], "episodes": state["episodes"], "success_rate": state["won"] / max(state["episodes"], 1),
-            **spent(state["env_steps"], state["tokens"], state["generated_tokens"], previous_metrics)}
+    return {
+        "rounds": state["round"],
+        "episodes": state["episodes"],
+        "success_rate": state["won"] / max(state["episodes"], 1),
+        **spent(state["env_steps"], state["tokens"], state["generated_tokens"], previous_metrics),
+    }
 
 
 def spent(env_steps: int, tokens: int, generated: int, previous_metrics: Path) -> dict:
@@ -272,8 +323,14 @@ def play_collection(params: Params, actor, iteration: int) -> tuple[list[Traject
     cfg = params.collect
     tasks = select_tasks(make_configured_env(params.env), cfg.split, params.env, cfg.num_tasks, cfg.seed + iteration)
     trajs = play_in(
-        params.env, [t for t in tasks for _ in range(cfg.samples_per_task)], actor, greedy=False,
-        source=f"policy@{iteration - 1}", batch_size=cfg.batch_size, seed=cfg.seed + iteration, desc=f"collect@{iteration}",
+        params.env,
+        [t for t in tasks for _ in range(cfg.samples_per_task)],
+        actor,
+        greedy=False,
+        source=f"policy@{iteration - 1}",
+        batch_size=cfg.batch_size,
+        seed=cfg.seed + iteration,
+        desc=f"collect@{iteration}",
     )
     failures = env_failures(trajs)
     trajs, _ = check_env_failures(trajs, params.env.max_failure_ratio, f"collect@{iteration}")
@@ -306,12 +363,23 @@ def play_splits(params: Params, actor: Actor, out: Path, metrics_path: Path, sou
     for split, count in cfg.splits.items():
         cut = len(actor.builder.truncated)
         tasks = select_tasks(lister, split, params.env, count, cfg.seed)
-        trajs = play_in(params.env, tasks, actor, greedy=True, source=source, batch_size=cfg.batch_size, seed=cfg.seed, desc=f"{source} {split}")
+        trajs = play_in(
+            params.env,
+            tasks,
+            actor,
+            greedy=True,
+            source=source,
+            batch_size=cfg.batch_size,
+            seed=cfg.seed,
+            desc=f"{source} {split}",
+        )
         trajs, failures = check_env_failures(trajs, params.env.max_failure_ratio, f"{source} {split}")
         metrics[split] = {
-            **episode_metrics(trajs), "cumulative_env_steps": spent["cumulative_env_steps"],
+            **episode_metrics(trajs),
+            "cumulative_env_steps": spent["cumulative_env_steps"],
             "cumulative_generated_tokens": spent.get("cumulative_generated_tokens", 0),
-            "truncated_observations": len(actor.builder.truncated) - cut, "env_failures": failures,
+            "truncated_observations": len(actor.builder.truncated) - cut,
+            "env_failures": failures,
             **actor.backend.placement(),
         }
         all_trajs += trajs

@@ -22,9 +22,10 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import TypeVar
 
 import torch
 from tqdm import tqdm
@@ -32,7 +33,15 @@ from tqdm import tqdm
 from qevolve.config import ModelConfig, TrainConfig, TrainRunConfig
 from qevolve.data.atomic import atomic_path, write_json
 from qevolve.models.base import causal_lm
-from qevolve.models.device import is_main, model_device, peak_tflops, placement, rank_and_world, resolve_device, resolve_dtype
+from qevolve.models.device import (
+    is_main,
+    model_device,
+    peak_tflops,
+    placement,
+    rank_and_world,
+    resolve_device,
+    resolve_dtype,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +67,11 @@ def loading_config(cfg: ModelConfig, run: TrainRunConfig) -> ModelConfig:
         return cfg
     dtype = cfg.dtype
     if dtype == "auto":  # as `load_policy` would choose on the target device
-        dtype = "float32" if cfg.lora.train_embeddings else str(resolve_dtype("auto", resolve_device(cfg.device))).removeprefix("torch.")
+        dtype = (
+            "float32"
+            if cfg.lora.train_embeddings
+            else str(resolve_dtype("auto", resolve_device(cfg.device))).removeprefix("torch.")
+        )
     return cfg.model_copy(update={"device": "cpu", "dtype": dtype})
 
 
@@ -125,7 +138,9 @@ def _sum_across_ranks(params: list[torch.nn.Parameter], metrics: dict, device: t
         if p.grad is None:  # a rank with no micro-batch in this step
             p.grad = torch.zeros_like(p)
     keys = [k for k, v in metrics.items() if isinstance(v, (int, float))]
-    flat = torch.cat([p.grad.flatten().float() for p in params] + [torch.tensor([float(metrics[k]) for k in keys], device=device)])
+    flat = torch.cat(
+        [p.grad.flatten().float() for p in params] + [torch.tensor([float(metrics[k]) for k in keys], device=device)]
+    )
     dist.all_reduce(flat)
     at = 0
     for p in params:
@@ -150,7 +165,9 @@ def pack(lengths: Sequence[int], limit: int) -> list[list[int]]:
     return rows
 
 
-def packed_rows(seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[int]], limit: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def packed_rows(
+    seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[int]], limit: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Concatenate sequences into rows of <= `limit` tokens: (ids, mask, position_ids), each (R, T).
 
     Positions restart at 0 at each sequence, which is how transformers recognises packed sequences
@@ -172,7 +189,9 @@ def packed_rows(seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[int]], l
     return ids, mask, pos
 
 
-def batches(items: list[T], cfg: TrainConfig, rng: random.Random, length: Callable[[T], int], token_budget: int = 0) -> Iterator[list[list[T]]]:
+def batches(
+    items: list[T], cfg: TrainConfig, rng: random.Random, length: Callable[[T], int], token_budget: int = 0
+) -> Iterator[list[list[T]]]:
     """One epoch: shuffled optimiser batches, each sorted by length and cut into micro-batches of
     `cfg.micro_batch_size` items, or with a `token_budget`, of as many items as fit in that many padded tokens."""
     order = rng.sample(range(len(items)), len(items))
@@ -233,7 +252,9 @@ def train(
         optimizer, lambda s: min((s + 1) / warmup, max(0.0, (total - s) / max(1, total - warmup)))
     )
     # A sharded run's checkpoint keys its optimiser state by parameter name, an unsharded one's by index.
-    key = fingerprint(desc, cfg.model_dump(exclude={"checkpoint_every"}), [length(it) for it in items], inputs, *["sharded"] * sharded)
+    key = fingerprint(
+        desc, cfg.model_dump(exclude={"checkpoint_every"}), [length(it) for it in items], inputs, *["sharded"] * sharded
+    )
     saved = changing_tensors(model)
     curve: list[dict] = []
     epoch, skip, epoch_rng = 0, 0, rng.getstate()
@@ -264,7 +285,15 @@ def train(
                 if model_device(model).type == "cuda":
                     torch.cuda.synchronize(model_device(model))
                 tokens = sum(length(it) for mb in micro for it in mb)
-                curve.append({"step": len(curve) + 1, "epoch": epoch + 1, **metrics, "tokens": tokens, "seconds": time.perf_counter() - started})
+                curve.append(
+                    {
+                        "step": len(curve) + 1,
+                        "epoch": epoch + 1,
+                        **metrics,
+                        "tokens": tokens,
+                        "seconds": time.perf_counter() - started,
+                    }
+                )
                 bar.update(1)
                 bar.set_postfix(epoch=epoch + 1, loss=f"{metrics['loss']:.3f}")
                 if checkpoint is not None and len(curve) % cfg.checkpoint_every == 0 and i + 1 < steps_per_epoch:
@@ -286,7 +315,9 @@ def _reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
-def _optimiser_step(model, optimizer, schedule, params: list, passes: Callable[[], dict], sharded: bool, world: int) -> dict:
+def _optimiser_step(
+    model, optimizer, schedule, params: list, passes: Callable[[], dict], sharded: bool, world: int
+) -> dict:
     """One optimiser step: zeroed gradients, `passes()` (the forward and backward passes, returning their
     metrics), the gradients and metrics summed across ranks, clipping at norm 1, the step and the schedule."""
     optimizer.zero_grad(set_to_none=True)
@@ -311,7 +342,11 @@ def _resume(checkpoint: Path, key: str, model, optimizer, schedule, sharded: boo
     if state["fingerprint"] != key:
         return None
     if sharded:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True, strict=False))
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
@@ -323,7 +358,9 @@ def _resume(checkpoint: Path, key: str, model, optimizer, schedule, sharded: boo
     return state
 
 
-def _save_training(checkpoint: Path, key: str, model, optimizer, schedule, saved: set[str], sharded: bool, position: dict) -> None:
+def _save_training(
+    checkpoint: Path, key: str, model, optimizer, schedule, saved: set[str], sharded: bool, position: dict
+) -> None:
     """Write the whole training state to `checkpoint` atomically on rank 0 (a sharded model's is gathered
     there: every rank takes part); the other ranks wait until it is written."""
     rank, world = rank_and_world()
@@ -331,13 +368,21 @@ def _save_training(checkpoint: Path, key: str, model, optimizer, schedule, saved
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         weights = full_state(model)
-        moments = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        moments = get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
     elif rank == 0:
         weights = {n: t.detach().clone() for n, t in model.state_dict().items() if n in saved}
         moments = optimizer.state_dict()
     if rank == 0:
-        state = {"fingerprint": key, "model": weights, "optimizer": moments, "schedule": schedule.state_dict(),
-                 "torch_rng": torch.get_rng_state(), **position}
+        state = {
+            "fingerprint": key,
+            "model": weights,
+            "optimizer": moments,
+            "schedule": schedule.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            **position,
+        }
         with atomic_path(checkpoint) as tmp:
             torch.save(state, tmp)
     if world > 1:
@@ -348,7 +393,9 @@ def checkpoint_activations(model: torch.nn.Module) -> None:
     """Have every transformers model inside `model` recompute its decoder layers' activations in the backward
     pass (non-reentrant checkpointing, which needs no input that requires a gradient)."""
     for module in model.modules():
-        if getattr(module, "supports_gradient_checkpointing", False) and hasattr(module, "gradient_checkpointing_enable"):
+        if getattr(module, "supports_gradient_checkpointing", False) and hasattr(
+            module, "gradient_checkpointing_enable"
+        ):
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             return
 
@@ -399,8 +446,18 @@ def _by_rate(model: torch.nn.Module, lr: float) -> list[dict]:
     return [{"params": ps, "lr": rate} for rate, ps in groups.items()]
 
 
-def save_and_report(save: Callable[[], None], metrics: dict, model: torch.nn.Module, curve: list[dict], elapsed: float,
-                    run: TrainRunConfig, out: Path, metrics_path: Path, curve_path: Path, speed_of: torch.nn.Module | None = None) -> dict:
+def save_and_report(
+    save: Callable[[], None],
+    metrics: dict,
+    model: torch.nn.Module,
+    curve: list[dict],
+    elapsed: float,
+    run: TrainRunConfig,
+    out: Path,
+    metrics_path: Path,
+    curve_path: Path,
+    speed_of: torch.nn.Module | None = None,
+) -> dict:
     """How every trainer ends, after any pass that takes every rank (`full_state`): on rank 0, `save()` writes
     the artifact(s) atomically; then `metrics`, with the training time, speed (`train_speed` of `speed_of`,
     default `model`) and placement of `model`, go to `metrics_path` and the curve to `curve_path`, and the

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -14,14 +14,19 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
-def head_logprobs(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], targets: torch.Tensor,
-                  chunk_elements: int = 2**26) -> torch.Tensor:
+def head_logprobs(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    targets: torch.Tensor,
+    chunk_elements: int = 2**26,
+) -> torch.Tensor:
     """log p(targets[n]) under the logits `head(hidden[n])`: hidden (N, H), targets (N,) -> (N,), float32.
 
     The logits are made for at most `chunk_elements` (positions x vocabulary) at a time and, when a gradient
     is taken, made again in the backward pass rather than kept (activation checkpointing): the float32
     logits of all N positions never exist at once. The values and gradients are those of
     `log_softmax(head(hidden).float())` gathered at the targets."""
+
     def chunk_logp(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         logits = head(h).float()
         return logits.gather(-1, t[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)

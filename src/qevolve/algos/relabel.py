@@ -19,7 +19,9 @@ class Penalties(Protocol):
     unchanged_penalty: float
 
 
-def relabel_step(action: str | None, valid: bool, observation: str, next_observation: str, cfg: Penalties) -> tuple[float, str]:
+def relabel_step(
+    action: str | None, valid: bool, observation: str, next_observation: str, cfg: Penalties
+) -> tuple[float, str]:
     """(auxiliary reward, reason) of one step; (0.0, "") when no rule applies."""
     if action is None:
         return -cfg.format_penalty, "format"

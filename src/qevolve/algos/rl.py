@@ -22,8 +22,16 @@ def weighted_expectile(diff: torch.Tensor, tau: float) -> torch.Tensor:
 
 
 def iql_losses(
-    v_s: torch.Tensor, q_sa: torch.Tensor, q_target: torch.Tensor, v_next: torch.Tensor, rewards: torch.Tensor,
-    not_done: torch.Tensor, weights: torch.Tensor, gamma: float, tau: float, norm: float,
+    v_s: torch.Tensor,
+    q_sa: torch.Tensor,
+    q_target: torch.Tensor,
+    v_next: torch.Tensor,
+    rewards: torch.Tensor,
+    not_done: torch.Tensor,
+    weights: torch.Tensor,
+    gamma: float,
+    tau: float,
+    norm: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted IQL losses over a batch of steps (every argument 1-D, one entry per step):
     V(s) by expectile regression towards the slow target Q(s, a), and Q(s, a) by TD regression towards
@@ -82,7 +90,9 @@ def bppo_loss(
     return -torch.minimum(ratio * advantages, clipped * advantages).mean()
 
 
-def clip_fraction(logp_new: torch.Tensor, logp_behavior: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+def clip_fraction(
+    logp_new: torch.Tensor, logp_behavior: torch.Tensor, clip_low: float, clip_high: float
+) -> torch.Tensor:
     """Share of samples whose ratio lies outside [1-clip_low, 1+clip_high]."""
     ratio = torch.exp(logp_new - logp_behavior)
     return ((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)).float().mean()
@@ -111,9 +121,20 @@ def off_one_share(weights: torch.Tensor, tokens: torch.Tensor, tolerance: float 
 
 
 def policy_loss(
-    logp_new: torch.Tensor, logp_behavior: torch.Tensor, advantages: torch.Tensor, token_logp_new: torch.Tensor,
-    token_logp_ref: torch.Tensor, *, algo: str, clip_low: float, clip_high: float, kl_coef: float, awr_beta: float,
-    awr_max_weight: float, step_share: float, token_share: float,
+    logp_new: torch.Tensor,
+    logp_behavior: torch.Tensor,
+    advantages: torch.Tensor,
+    token_logp_new: torch.Tensor,
+    token_logp_ref: torch.Tensor,
+    *,
+    algo: str,
+    clip_low: float,
+    clip_high: float,
+    kl_coef: float,
+    awr_beta: float,
+    awr_max_weight: float,
+    step_share: float,
+    token_share: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A micro-batch's share of the policy update's loss: (loss, policy-gradient term, KL term).
 
@@ -151,8 +172,15 @@ def advantage_pg_loss(logp_new: torch.Tensor, advantages: torch.Tensor) -> torch
 
 
 def anchored_awr_loss(
-    logp_data: torch.Tensor, adv_data: torch.Tensor, logp_pi: torch.Tensor, adv_pi: torch.Tensor, *, beta: float, max_weight: float,
-    lam: float, relu: bool = False,
+    logp_data: torch.Tensor,
+    adv_data: torch.Tensor,
+    logp_pi: torch.Tensor,
+    adv_pi: torch.Tensor,
+    *,
+    beta: float,
+    max_weight: float,
+    lam: float,
+    relu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Multi²'s offline actor (arXiv 2606.03698): (loss, AWR term, anchored term), loss = AWR - lam * anchored.
 
@@ -177,8 +205,15 @@ def kl_on_policy(logp_policy: torch.Tensor, logp_ref: torch.Tensor) -> torch.Ten
 
 
 def awac_kl_loss(
-    logp: torch.Tensor, adv: torch.Tensor, token_logp: torch.Tensor, token_logp_ref: torch.Tensor, *, alpha: float, max_weight: float,
-    eta: float, first_order: bool = False,
+    logp: torch.Tensor,
+    adv: torch.Tensor,
+    token_logp: torch.Tensor,
+    token_logp_ref: torch.Tensor,
+    *,
+    alpha: float,
+    max_weight: float,
+    eta: float,
+    first_order: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Multi²'s online actor: (loss, weighted term, KL term), loss = -mean(w * log pi_on(a)) + eta * KL with
     w = min(exp(A / alpha), max_weight) per action and the KL `kl_on_policy` over the actions' tokens against

@@ -52,7 +52,15 @@ def clustered(outcomes: dict[str, list[float]], z: float = Z95) -> dict:
     within = sum(sum(x - p for x in xs) ** 2 for xs in outcomes.values()) / n**2
     deff = max(1.0, within / binomial) if binomial > 0 else n / len(outcomes)
     lo, hi = wilson(p * n / deff, n / deff, z)
-    return {"rate": p, "low": lo, "high": hi, "won": sum(xs), "episodes": n, "tasks": len(outcomes), "design_effect": deff}
+    return {
+        "rate": p,
+        "low": lo,
+        "high": hi,
+        "won": sum(xs),
+        "episodes": n,
+        "tasks": len(outcomes),
+        "design_effect": deff,
+    }
 
 
 def no_difference_bound(tasks: int, level: float = 0.95) -> float:
@@ -62,8 +70,13 @@ def no_difference_bound(tasks: int, level: float = 0.95) -> float:
     return 1 - ((1 - level) / 2) ** (1 / tasks)
 
 
-def paired_bootstrap(a: dict[str, dict[int, float]], b: dict[str, dict[int, float]], draws: int = 10_000, level: float = 0.95,
-                     seed: int = 0) -> dict:
+def paired_bootstrap(
+    a: dict[str, dict[int, float]],
+    b: dict[str, dict[int, float]],
+    draws: int = 10_000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> dict:
     """Row `a`'s rate minus row `b`'s on the tasks both played, each by the seeds both ran on it (`a[task][seed]`:
     that episode's outcome), with the percentile interval of a bootstrap that draws the tasks with replacement
     and, independently, the seeds with replacement, one draw of seeds shared by every task (seeds and tasks are
@@ -88,9 +101,18 @@ def paired_bootstrap(a: dict[str, dict[int, float]], b: dict[str, dict[int, floa
     lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
     per_seed = {int(s): float(diff[:, j].mean()) for j, s in enumerate(names)}
     discordant = int((diff != 0).sum())
-    return {"difference": float(diff.mean()), "low": float(lo), "high": float(hi), "tasks": len(tasks), "seeds": seeds,
-            "per_seed": per_seed, "better": sum(d > 0 for d in per_seed.values()), "worse": sum(d < 0 for d in per_seed.values()),
-            "discordant": discordant, "bound": None if discordant else no_difference_bound(len(tasks), level)}
+    return {
+        "difference": float(diff.mean()),
+        "low": float(lo),
+        "high": float(hi),
+        "tasks": len(tasks),
+        "seeds": seeds,
+        "per_seed": per_seed,
+        "better": sum(d > 0 for d in per_seed.values()),
+        "worse": sum(d < 0 for d in per_seed.values()),
+        "discordant": discordant,
+        "bound": None if discordant else no_difference_bound(len(tasks), level),
+    }
 
 
 def midranks(values: np.ndarray) -> np.ndarray:

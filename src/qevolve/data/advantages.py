@@ -9,8 +9,6 @@ import pyarrow.parquet as pq
 
 from qevolve.data.store import SchemaError
 
-
-
 ADVANTAGES_FILE = "advantages.parquet"
 MOVING = 0.05
 """A raw advantage (in reward units: a won episode's reward is 1) this far from 0 moves its step's probability;

@@ -12,9 +12,9 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 
 @contextmanager
@@ -74,8 +74,10 @@ def _disk_full_names(path: Path) -> Iterator[None]:
     except OSError as err:
         if err.errno != errno.ENOSPC:
             raise
-        raise OSError(errno.ENOSPC, f"disk full while writing {path}; the previous version (if any) is intact, "
-                                    "free some space and run again") from err
+        raise OSError(
+            errno.ENOSPC,
+            f"disk full while writing {path}; the previous version (if any) is intact, free some space and run again",
+        ) from err
 
 
 def _finite(obj):
@@ -93,4 +95,3 @@ def _finite(obj):
 def write_json(path: Path | str, obj) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(_finite(obj), indent=2, sort_keys=True, allow_nan=False) + "\n")
-

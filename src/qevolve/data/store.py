@@ -23,8 +23,11 @@ VERSION_KEY = b"qevolve.schema_version"
 class SchemaError(UserError, ValueError):
     """A trajectory file that does not match the store's schema."""
 
-    hint = ("a stage's data is missing, damaged or from another qevolve version: `dvc checkout <stage>` restores the version "
-            "dvc.lock records, or rerun the stage that wrote it (`dvc repro <stage>`)")
+    hint = (
+        "a stage's data is missing, damaged or from another qevolve version: `dvc checkout <stage>` restores the "
+        "version "
+        "dvc.lock records, or rerun the stage that wrote it (`dvc repro <stage>`)"
+    )
 
 
 @dataclass
@@ -120,7 +123,13 @@ def write_store(path: Path | str, trajectories: list[Trajectory]) -> None:
         traj_rows.append({**{k: getattr(t, k) for k in _TRAJ_FIELDS}, "num_steps": len(t.steps), "reward": t.reward})
         for s in t.steps:
             step_rows.append(
-                {"trajectory_id": t.trajectory_id, "task_id": t.task_id, "split": t.split, "source": t.source, **asdict(s)}
+                {
+                    "trajectory_id": t.trajectory_id,
+                    "task_id": t.task_id,
+                    "split": t.split,
+                    "source": t.source,
+                    **asdict(s),
+                }
             )
     with atomic_dir(path) as tmp:
         pq.write_table(pa.Table.from_pylist(step_rows, schema=_STEP_SCHEMA), tmp / "steps.parquet")
@@ -169,7 +178,9 @@ def read_store(path: Path | str) -> list[Trajectory]:
     for r in read_checked(path / "steps.parquet", _STEP_SCHEMA).to_pylist():
         t = by_id.get(r["trajectory_id"])
         if t is None:
-            raise SchemaError(f"{path / 'steps.parquet'}: trajectory_id {r['trajectory_id']!r} not in trajectories.parquet")
+            raise SchemaError(
+                f"{path / 'steps.parquet'}: trajectory_id {r['trajectory_id']!r} not in trajectories.parquet"
+            )
         t.steps.append(StepRecord(**{k: r[k] for k in _STEP_FIELDS}))
     for t in by_id.values():
         t.steps.sort(key=lambda s: s.step)

@@ -70,8 +70,10 @@ def heldout_tasks(env: TextEnv, cfg: EnvConfig) -> list[Task]:
         return []
     train = sorted(_typed(env, "train", cfg), key=lambda t: hashlib.sha1(t.id.encode()).hexdigest())
     if cfg.heldout >= len(train):
-        raise ValueError(f"env.heldout: {cfg.heldout} is not fewer than the {len(train)} train tasks of types {cfg.task_types}; "
-                         "some must stay for the demonstrations and collection")
+        raise ValueError(
+            f"env.heldout: {cfg.heldout} is not fewer than the {len(train)} train tasks of types {cfg.task_types}; "
+            "some must stay for the demonstrations and collection"
+        )
     return sorted((replace(t, split=HELDOUT, home="train") for t in train[: cfg.heldout]), key=lambda t: t.id)
 
 

@@ -22,7 +22,7 @@ import sys
 import tarfile
 import tempfile
 import warnings
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from qevolve.environments import ENVIRONMENTS
@@ -65,7 +65,8 @@ def ensure_alfworld_data(archive: Path | None = None) -> Path:
                 given = os.environ.get("ALFWORLD_DATA")
                 raise AlfworldDataError(
                     f"ALFWorld's games are not in {root}, and none of the three ways of getting them worked:\n"
-                    f"  1. ALFWORLD_DATA naming a folder that holds them: {f'{given} holds no games' if given else 'not set'};\n"
+                    f"  1. ALFWORLD_DATA naming a folder that holds them: "
+                    f"{f'{given} holds no games' if given else 'not set'};\n"
                     f"  2. QEVOLVE_ALFWORLD_ARCHIVE naming a local copy of {ARCHIVE_NAME}: not set;\n"
                     f"  3. ALFWorld's own download (needs internet): {why}."
                 )
@@ -81,7 +82,10 @@ def _download(root: Path) -> str:
     beside = Path(sys.executable).with_name("alfworld-download")
     script = str(beside) if beside.exists() else shutil.which("alfworld-download")
     if script is None:
-        return f"the `alfworld-download` script is neither beside {sys.executable} nor on PATH (is the alfworld package installed?)"
+        return (
+            f"the `alfworld-download` script is neither beside {sys.executable} nor on PATH (is the alfworld "
+            f"package installed?)"
+        )
     done = subprocess.run([script], env={**os.environ, "ALFWORLD_DATA": str(root)})
     if done.returncode != 0:
         return f"{script} exited with {done.returncode} (its output is above)"
@@ -107,7 +111,7 @@ def _unpack(archive: Path, root: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@lru_cache(maxsize=None)
+@cache
 def list_tasks(root: str, split: str) -> tuple[Task, ...]:
     """Every game of a split, sorted, as ALFWorld's loader finds them (no movable or sliced games)."""
     if split not in SPEC.splits:
@@ -192,10 +196,14 @@ def _read_translation(file: Path) -> tuple | None:
     try:
         kept = pickle.loads(file.read_bytes())
     except Exception as err:  # noqa: BLE001 - unpickling can raise almost anything
-        warnings.warn(f"{file}: unreadable kept PDDL translation ({type(err).__name__}: {err}); translating again", stacklevel=2)
+        warnings.warn(
+            f"{file}: unreadable kept PDDL translation ({type(err).__name__}: {err}); translating again", stacklevel=2
+        )
         return None
     if not (isinstance(kept, tuple) and len(kept) == 2):
-        warnings.warn(f"{file}: expected a (task, SAS text) pair, found {type(kept).__name__}; translating again", stacklevel=2)
+        warnings.warn(
+            f"{file}: expected a (task, SAS text) pair, found {type(kept).__name__}; translating again", stacklevel=2
+        )
         return None
     return kept
 
@@ -216,7 +224,7 @@ def _memoize_text_parsing() -> None:
         if getattr(parse, "_qevolve_cached", False):
             continue
 
-        def cached(*args, _parse=parse, _cache={}, **kwargs):
+        def cached(*args, _parse=parse, _cache={}, **kwargs):  # noqa: B006 - the cache is meant to persist
             key = (args, tuple(sorted(kwargs.items())))
             if key not in _cache:
                 _cache[key] = _parse(*args, **kwargs)
@@ -243,8 +251,11 @@ def _copy_contexts_shallowly() -> None:
 
     def copy_context(context):
         return {
-            "state": context["state"], "facts": context["facts"], "entity_infos": context["entity_infos"],
-            "variables": dict(context["variables"]), "mapping": dict(context["mapping"]),
+            "state": context["state"],
+            "facts": context["facts"],
+            "entity_infos": context["entity_infos"],
+            "variables": dict(context["variables"]),
+            "mapping": dict(context["mapping"]),
         }
 
     copy_context._qevolve_shallow = True
@@ -272,7 +283,12 @@ class AlfworldEnv:
         return list(list_tasks(str(self.root), split))
 
     def _wrappers(self):
-        from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredExpert, AlfredExpertType, AlfredInfos
+        from alfworld.agents.environment.alfred_tw_env import (
+            AlfredDemangler,
+            AlfredExpert,
+            AlfredExpertType,
+            AlfredInfos,
+        )
 
         wrappers = [AlfredDemangler(), AlfredInfos]
         if self.expert == "handcoded":
@@ -313,7 +329,14 @@ class AlfworldEnv:
         reward = 1.0 if won and not self._won else 0.0
         self._won = won
         self._t += 1
-        return Step(observation=obs, reward=reward, done=bool(done) or won, won=won, valid=obs != REJECTED, admissible=self._admissible())
+        return Step(
+            observation=obs,
+            reward=reward,
+            done=bool(done) or won,
+            won=won,
+            valid=obs != REJECTED,
+            admissible=self._admissible(),
+        )
 
     def seed_random(self, key: str) -> None:
         """Seed the handcoded expert's tie-breaks. Its module draws from Python's global `random`, which anything else

@@ -71,7 +71,9 @@ ENV_ERROR = "env_error"
 class EnvironmentFailures(UserError, RuntimeError):
     """More episodes failed in the environment itself than `env.max_failure_ratio` allows."""
 
-    hint = "the reasons above say why the environment failed; env.max_failure_ratio sets the share of episodes allowed to"
+    hint = (
+        "the reasons above say why the environment failed; env.max_failure_ratio sets the share of episodes allowed to"
+    )
 
 
 def env_error(err: Exception) -> str:
@@ -94,8 +96,10 @@ def check_env_failures(trajs: list, max_ratio: float, what: str) -> tuple[list, 
     failures = env_failures(trajs)
     failed = sum(failures.values())
     if failed > max_ratio * len(trajs):
-        raise EnvironmentFailures(f"{what}: the environment failed {failed} of {len(trajs)} episodes, more than "
-                                  f"env.max_failure_ratio = {max_ratio}: {failures}")
+        raise EnvironmentFailures(
+            f"{what}: the environment failed {failed} of {len(trajs)} episodes, more than "
+            f"env.max_failure_ratio = {max_ratio}: {failures}"
+        )
     return [t for t in trajs if not t.failure.startswith(ENV_ERROR)], failed
 
 
@@ -106,8 +110,10 @@ def splits_dir(env: str) -> Path:
     root = os.environ.get("QEVOLVE_SPLITS") or Path(__file__).resolve().parents[3].parent / "shared" / "data" / "splits"
     folder = Path(root) / env
     if not folder.is_dir():
-        raise FileNotFoundError(f"{folder}: no {env} split files here; set QEVOLVE_SPLITS to the folder that holds {env}/ "
-                                f"(see docs/environments.md)")
+        raise FileNotFoundError(
+            f"{folder}: no {env} split files here; set QEVOLVE_SPLITS to the folder that holds {env}/ "
+            f"(see docs/environments.md)"
+        )
     return folder
 
 
@@ -126,4 +132,6 @@ def check_types(cfg, tasks) -> None:
     known = sorted({t.type for t in tasks})
     unknown = [t for t in cfg.task_types if t not in known]
     if unknown:
-        raise ValueError(f"env.task_types: {cfg.name} has no task type(s) {unknown} in its train split; expected some of {known}")
+        raise ValueError(
+            f"env.task_types: {cfg.name} has no task type(s) {unknown} in its train split; expected some of {known}"
+        )

@@ -53,8 +53,14 @@ def connect() -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     else:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES, log_to_driver=False,
-                 _node_ip_address="127.0.0.1", runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        ray.init(
+            num_cpus=os.cpu_count(),
+            include_dashboard=False,
+            object_store_memory=OBJECT_STORE_BYTES,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+        )
 
 
 class RayEnvWorker(RemoteEnv):

@@ -2,22 +2,21 @@
 episode folder mounted at /app, one command at a time (../shared/research/terminaltraj.md, section 2).
 
 Backends (`env.terminal.sandbox`):
-- `bwrap` (the default): bubblewrap, no daemon. No network (`--unshare-all`; `Limits.network` shares the host's),
-  the system read-only, a minimal /etc (the loader's files and stub passwd/group: none of the host's secrets), uid 1000 inside,
-  which is this host's user, or when qevolve runs as root an unprivileged host uid (`SANDBOX_UID`,
-  nobody's, inside too), so root-only host files stay unreadable; a tmpfs /tmp of `tmp_mb`, its own PID namespace
-  (`--die-with-parent`: nothing outlives the episode), memory (`ulimit -v` per process) and file-size
-  (`ulimit -f`) limits, and caps on the whole sandbox through cgroups where this host lets us make them
-  (root with cgroup v1 `pids`, `memory` and `cpu`, or v2): processes, memory and CPU; else `ulimit -u` (which holds:
-  the sandbox never runs as root). The Python that runs qevolve (its venv and base prefix) is bound
-  read-only, for validators. As root, bwrap makes no user namespace (its uid 1000 would be host root):
-  it sets the sandbox up as root and the shell drops to nobody (`setpriv`, every capability gone).
-- `docker`: a container of `env.terminal.image` (which must hold bash, python3 and pytest: images are not
-  pulled), or of a task's own image (`qevolve.envs.task_images`), with the episode folder at /app (a task
-  image's working directory), no network, a read-only root, a tmpfs /tmp, every capability
-  dropped, memory, process and file-size limits, run as this host's user (nobody's when that is root); a timed-out command's
-  processes are killed from inside (`docker exec … kill -9 -1`: everything but the shell, PID 1), and
-  closing removes the container.
+- `bwrap` (the default): bubblewrap, no daemon. No network (`--unshare-all`; `Limits.network` shares the host's), the
+  system read-only, a minimal /etc (the loader's files and stub passwd/group: none of the host's secrets), uid 1000
+  inside, which is this host's user, or when qevolve runs as root an unprivileged host uid (`SANDBOX_UID`, nobody's,
+  inside too), so root-only host files stay unreadable; a tmpfs /tmp of `tmp_mb`, its own PID namespace
+  (`--die-with-parent`: nothing outlives the episode), memory (`ulimit -v` per process) and file-size (`ulimit -f`)
+  limits, and caps on the whole sandbox through cgroups where this host lets us make them (root with cgroup v1 `pids`,
+  `memory` and `cpu`, or v2): processes, memory and CPU; else `ulimit -u` (which holds: the sandbox never runs as root).
+  The Python that runs qevolve (its venv and base prefix) is bound read-only, for validators. As root, bwrap makes no
+  user namespace (its uid 1000 would be host root): it sets the sandbox up as root and the shell drops to nobody
+  (`setpriv`, every capability gone).
+- `docker`: a container of `env.terminal.image` (which must hold bash, python3 and pytest: images are not pulled), or of
+  a task's own image (`qevolve.envs.task_images`), with the episode folder at /app (a task image's working directory),
+  no network, a read-only root, a tmpfs /tmp, every capability dropped, memory, process and file-size limits, run as
+  this host's user (nobody's when that is root); a timed-out command's processes are killed from inside (`docker exec …
+  kill -9 -1`: everything but the shell, PID 1), and closing removes the container.
 - `local`: bash in the episode folder with no isolation at all, for tests and trusted tasks; refused unless
   asked for by name.
 
@@ -53,7 +52,8 @@ log = logging.getLogger(__name__)
 BACKENDS = ("bwrap", "docker", "local")
 CONTROLS = re.compile(
     "(?:\x1b\\[|\x9b)[\x30-\x3f]*[\x20-\x2f]*[\x40-\x7e]?"  # CSI, 7- and 8-bit: parameters, intermediates, final
-    "|(?:\x1b[\\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\\\|\x9c)?"  # OSC, DCS, SOS, PM, APC: to BEL or ST
+    # OSC, DCS, SOS, PM, APC: to BEL or ST
+    "|(?:\x1b[\\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\\\|\x9c)?"
     "|\x1b[\x20-\x2f]*[\x30-\x7e]?"  # every other escape (ESC c, ESC ( 0, ESC # 8, ESC 7, ESC =) and a lone ESC
     "|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]"  # the other C0 controls (tab, newline and carriage return stay), DEL, C1
 )
@@ -71,7 +71,11 @@ ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "nsswitch.co
 NETWORK_ETC = ("resolv.conf", "hosts", "ssl", "ca-certificates")
 """What a sandbox with the network also reads of the host's /etc: name resolution and the CA certificates."""
 """What of the host's /etc a bwrap sandbox sees (the loader's files and links); passwd and group are stubs."""
-PASSWD = "root:x:0:0:root:/root:/usr/sbin/nologin\nagent:x:1000:1000:agent:/app:/bin/bash\nnobody:x:65534:65534:nobody:/app:/bin/bash\n"
+PASSWD = (
+    "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+    "agent:x:1000:1000:agent:/app:/bin/bash\n"
+    "nobody:x:65534:65534:nobody:/app:/bin/bash\n"
+)
 GROUP = "root:x:0:\nagent:x:1000:\nnogroup:x:65534:\n"
 # every backend's shell: UTF-8, and listings without clock times (GNU ls reads TIME_STYLE), so what an episode
 # shows depends on its task and actions, not on when it ran; `ls --full-time` and `stat` still show them
@@ -97,7 +101,9 @@ def hand_over(folder: Path) -> None:
     uid = host_uid()
     if uid == os.geteuid():
         return
-    done = subprocess.run(["chown", "-R", "-h", "-P", f"{uid}:{uid}", "--", str(folder)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["chown", "-R", "-h", "-P", f"{uid}:{uid}", "--", str(folder)], capture_output=True, text=True
+    )
     if done.returncode:
         log.warning("sandbox: chown of %s to uid %d: %s", folder, uid, done.stderr.strip()[:300])
 
@@ -114,10 +120,15 @@ def cap_folder(folder: Path, mb: int) -> bool:
     if os.geteuid() != 0:
         if not _told.get("root"):
             _told["root"] = True
-            log.warning("sandbox: not root: an episode's /app gets no disk cap (env.terminal.disk_mb), only file_mb per file")
+            log.warning(
+                "sandbox: not root: an episode's /app gets no disk cap (env.terminal.disk_mb), only file_mb per file"
+            )
         return False
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mb}m,mode=0755,nosuid,nodev", "qevolve-app", str(folder)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={mb}m,mode=0755,nosuid,nodev", "qevolve-app", str(folder)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode:
         log.warning("sandbox: no disk cap for %s: mount refused: %s", folder, done.stderr.strip()[:300])
         return False
@@ -160,8 +171,10 @@ def read_regular(path: Path, limit: int = 16 << 20) -> bytes:
 
 
 class SandboxError(UserError, RuntimeError):
-    hint = ("env.terminal.sandbox picks the backend (bwrap; docker with env.terminal.image; or local for no isolation); "
-            "`apt-get install bubblewrap` installs bwrap")
+    hint = (
+        "env.terminal.sandbox picks the backend (bwrap; docker with env.terminal.image; or local for no isolation); "
+        "`apt-get install bubblewrap` installs bwrap"
+    )
 
 
 @dataclass(frozen=True)
@@ -199,7 +212,11 @@ def clip(raw: bytes, budget: int, omitted: int = 0, tail: bytes = b"") -> str:
     total, raw = len(raw) + omitted + len(tail), raw + tail
     if total > budget:
         half = budget // 2
-        raw = raw[:half] + f"\n[... output limited to {budget} bytes; {total - 2 * half} interior bytes omitted ...]\n".encode() + raw[-half:]
+        raw = (
+            raw[:half]
+            + f"\n[... output limited to {budget} bytes; {total - 2 * half} interior bytes omitted ...]\n".encode()
+            + raw[-half:]
+        )
     return CONTROLS.sub("", raw.decode("utf-8", errors="replace"))
 
 
@@ -209,7 +226,10 @@ def available(backend: str, image: str | None = "") -> str | None:
     if backend not in BACKENDS:
         return f"unknown sandbox {backend!r}; expected one of {list(BACKENDS)}"
     if backend == "bwrap" and shutil.which("bwrap") is None:
-        return "bubblewrap (`bwrap`) is not installed: `apt-get install bubblewrap` (Debian/Ubuntu), or env.terminal.sandbox: local without isolation"
+        return (
+            "bubblewrap (`bwrap`) is not installed: `apt-get install bubblewrap` (Debian/Ubuntu), or "
+            "env.terminal.sandbox: local without isolation"
+        )
     if backend == "docker":
         if shutil.which("docker") is None:
             return "the `docker` command is not installed"
@@ -220,7 +240,10 @@ def available(backend: str, image: str | None = "") -> str | None:
         except subprocess.TimeoutExpired:
             return "`docker image inspect` did not answer in 30 s: is the daemon running?"
         if done.returncode != 0:
-            return f"docker has no image {image!r} here ({done.stderr.strip()[:200]}); build it or `docker pull` it first (images are not pulled)"
+            return (
+                f"docker has no image {image!r} here ({done.stderr.strip()[:200]}); build it or `docker pull` "
+                f"it first (images are not pulled)"
+            )
     return None
 
 
@@ -242,7 +265,9 @@ class _Capture:
 
     def status(self) -> int | None:
         """The exit status in the sentinel, once it has arrived."""
-        found = re.search(re.escape(self.marker) + rb"(\d+)\n", bytes(self.head[-64:] + self.tail) if self.tail else bytes(self.head))
+        found = re.search(
+            re.escape(self.marker) + rb"(\d+)\n", bytes(self.head[-64:] + self.tail) if self.tail else bytes(self.head)
+        )
         return int(found.group(1)) if found else None
 
     def text(self, budget: int) -> str:
@@ -260,12 +285,26 @@ class Session:
     image's working directory). `mounts`: more host folders as (host path, path inside, writable); `where` says
     where the shell sees them."""
 
-    def __init__(self, backend: str, workdir: Path, limits: Limits = Limits(), output_bytes: int = 10_000, image: str = "",
-                 mounts: tuple[tuple[Path, str, bool], ...] = (), inside: str = "/app"):
+    def __init__(
+        self,
+        backend: str,
+        workdir: Path,
+        limits: Limits = Limits(),
+        output_bytes: int = 10_000,
+        image: str = "",
+        mounts: tuple[tuple[Path, str, bool], ...] = (),
+        inside: str = "/app",
+    ):
         why = available(backend, image)
         if why:
             raise SandboxError(f"env.terminal.sandbox: {why}")
-        self.backend, self.workdir, self.limits, self.output_bytes, self.image = backend, Path(workdir).resolve(), limits, output_bytes, image
+        self.backend, self.workdir, self.limits, self.output_bytes, self.image = (
+            backend,
+            Path(workdir).resolve(),
+            limits,
+            output_bytes,
+            image,
+        )
         self.inside = inside if backend == "docker" else "/app"
         self.mounts = tuple((Path(host).resolve(), inside, writable) for host, inside, writable in mounts)
         self.container = f"qevolve-{os.getpid()}-{secrets.token_hex(6)}" if backend == "docker" else None
@@ -298,13 +337,43 @@ class Session:
         if self.backend == "docker":
             lim, uid = self.limits, host_uid()
             mounts = [a for host, inside, rw in self.mounts for a in ("-v", f"{host}:{inside}{'' if rw else ':ro'}")]
-            return ["docker", "run", "--rm", "-i", "--name", self.container, "--network", "bridge" if lim.network else "none", "--read-only",
-                    "--cap-drop", "ALL", *(["--cpus", f"{lim.cpus:g}"] if lim.cpus else []),
-                    "--security-opt", "no-new-privileges", "--user", f"{uid}:{uid}", "--memory", f"{lim.memory_mb}m",
-                    "--pids-limit", str(lim.processes), "--ulimit", f"fsize={lim.file_mb << 20}",
-                    *(["--tmpfs", f"/tmp:size={lim.tmp_mb}m"] if self.inside != "/tmp" else []),  # a task image's WORKDIR /tmp is the episode's folder
-                    "-v", f"{self.workdir}:{self.inside}", *mounts, "-w", self.inside, "-e", f"HOME={self.inside}",
-                    *(a for k, v in SHELL_ENV.items() for a in ("-e", f"{k}={v}")), self.image, *shell]
+            return [
+                "docker",
+                "run",
+                "--rm",
+                "-i",
+                "--name",
+                self.container,
+                "--network",
+                "bridge" if lim.network else "none",
+                "--read-only",
+                "--cap-drop",
+                "ALL",
+                *(["--cpus", f"{lim.cpus:g}"] if lim.cpus else []),
+                "--security-opt",
+                "no-new-privileges",
+                "--user",
+                f"{uid}:{uid}",
+                "--memory",
+                f"{lim.memory_mb}m",
+                "--pids-limit",
+                str(lim.processes),
+                "--ulimit",
+                f"fsize={lim.file_mb << 20}",
+                *(
+                    ["--tmpfs", f"/tmp:size={lim.tmp_mb}m"] if self.inside != "/tmp" else []
+                ),  # a task image's WORKDIR /tmp is the episode's folder
+                "-v",
+                f"{self.workdir}:{self.inside}",
+                *mounts,
+                "-w",
+                self.inside,
+                "-e",
+                f"HOME={self.inside}",
+                *(a for k, v in SHELL_ENV.items() for a in ("-e", f"{k}={v}")),
+                self.image,
+                *shell,
+            ]
 
         def data(text: str, inside: str) -> list[str]:
             read, write = os.pipe()
@@ -317,12 +386,29 @@ class Session:
         binds = [a for d in system for a in ("--ro-bind", d, d)]
         binds += ["--perms", "0755", "--dir", "/etc"]
         etc = ETC + NETWORK_ETC * self.limits.network
-        binds += [a for name in etc if os.path.lexists(f"/etc/{name}") for a in ("--ro-bind", f"/etc/{name}", f"/etc/{name}")]
-        binds += [*data(PASSWD, "/etc/passwd"), *data(GROUP, "/etc/group"), "--proc", "/proc", "--dev", "/dev",
-                  "--perms", "1777", "--size", str(self.limits.tmp_mb << 20), "--tmpfs", "/tmp"]
+        binds += [
+            a for name in etc if os.path.lexists(f"/etc/{name}") for a in ("--ro-bind", f"/etc/{name}", f"/etc/{name}")
+        ]
+        binds += [
+            *data(PASSWD, "/etc/passwd"),
+            *data(GROUP, "/etc/group"),
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--perms",
+            "1777",
+            "--size",
+            str(self.limits.tmp_mb << 20),
+            "--tmpfs",
+            "/tmp",
+        ]
         # then what lives under those (a venv under /tmp): mounted before, the tmpfs would hide it
         made: set[str] = set()
-        for host, inside, writable in [*((p, p, False) for p in dict.fromkeys([sys.prefix, sys.base_prefix])), *self.mounts]:
+        for host, inside, writable in [
+            *((p, p, False) for p in dict.fromkeys([sys.prefix, sys.base_prefix])),
+            *self.mounts,
+        ]:
             if any(Path(inside).is_relative_to(d) for d in system):
                 continue  # a system Python: already there
             for parent in reversed(Path(inside).parents[:-1]):  # bwrap would make them 0700 where the host's are
@@ -330,16 +416,63 @@ class Session:
                     made.add(str(parent))
                     binds += ["--perms", "0755", "--dir", str(parent)]
             binds += ["--bind" if writable else "--ro-bind", str(host), str(inside)]
-        if os.geteuid() == 0:  # no user namespace (it would map to root): bwrap sets up as root, then the shell drops to nobody
-            user = ["--unshare-pid", *(["--unshare-net"] * (not self.limits.network)), "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-                    "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-            shell = ["setpriv", "--reuid", str(SANDBOX_UID), "--regid", str(SANDBOX_UID), "--clear-groups", "--inh-caps=-all",
-                     "--bounding-set=-all", *shell]
+        if (
+            os.geteuid() == 0
+        ):  # no user namespace (it would map to root): bwrap sets up as root, then the shell drops to nobody
+            user = [
+                "--unshare-pid",
+                *(["--unshare-net"] * (not self.limits.network)),
+                "--unshare-ipc",
+                "--unshare-uts",
+                "--unshare-cgroup-try",
+                "--cap-add",
+                "CAP_SETUID",
+                "--cap-add",
+                "CAP_SETGID",
+            ]
+            shell = [
+                "setpriv",
+                "--reuid",
+                str(SANDBOX_UID),
+                "--regid",
+                str(SANDBOX_UID),
+                "--clear-groups",
+                "--inh-caps=-all",
+                "--bounding-set=-all",
+                *shell,
+            ]
         else:
-            user = ["--unshare-all", *(["--share-net"] * self.limits.network), "--unshare-user", "--disable-userns", "--uid", "1000", "--gid", "1000"]
-        return ["bwrap", *binds, "--bind", str(self.workdir), "/app", "--chdir", "/app", *user,
-                "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/app",
-                *(a for k, v in SHELL_ENV.items() for a in ("--setenv", k, v)), *shell]
+            user = [
+                "--unshare-all",
+                *(["--share-net"] * self.limits.network),
+                "--unshare-user",
+                "--disable-userns",
+                "--uid",
+                "1000",
+                "--gid",
+                "1000",
+            ]
+        return [
+            "bwrap",
+            *binds,
+            "--bind",
+            str(self.workdir),
+            "/app",
+            "--chdir",
+            "/app",
+            *user,
+            "--die-with-parent",
+            "--new-session",
+            "--clearenv",
+            "--setenv",
+            "PATH",
+            "/usr/local/bin:/usr/bin:/bin",
+            "--setenv",
+            "HOME",
+            "/app",
+            *(a for k, v in SHELL_ENV.items() for a in ("--setenv", k, v)),
+            *shell,
+        ]
 
     def _enter(self) -> None:
         """In the sandbox's process before it runs bwrap: join the cgroups."""
@@ -353,9 +486,17 @@ class Session:
             env = dict(os.environ)
         fds: list[int] = []
         try:
-            self.proc = subprocess.Popen(self._argv(fds), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         cwd="/" if self.backend == "bwrap" else self.workdir, env=env, start_new_session=True,
-                                         pass_fds=fds, preexec_fn=self._enter if self.backend == "bwrap" else None)
+            self.proc = subprocess.Popen(
+                self._argv(fds),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                cwd="/" if self.backend == "bwrap" else self.workdir,
+                env=env,
+                start_new_session=True,
+                pass_fds=fds,
+                preexec_fn=self._enter if self.backend == "bwrap" else None,
+            )
         finally:
             for fd in fds:
                 os.close(fd)
@@ -363,15 +504,22 @@ class Session:
         self.chunks: queue.Queue[bytes] = queue.Queue()
         threading.Thread(target=self._read, args=(self.proc, self.chunks), daemon=True).start()
         self.shell_pid: int | None = None
-        limits = [f"ulimit -v {self.limits.memory_mb << 10}", f"ulimit -f {self.limits.file_mb << 10}"]  # bash counts KiB
+        limits = [
+            f"ulimit -v {self.limits.memory_mb << 10}",
+            f"ulimit -f {self.limits.file_mb << 10}",
+        ]  # bash counts KiB
         if self.backend == "docker":
             limits = []  # the container's own limits
-        if self.backend == "bwrap" and not cgroup:  # no pids cgroup: a per-user cap, which holds since the sandbox is never root
+        if (
+            self.backend == "bwrap" and not cgroup
+        ):  # no pids cgroup: a per-user cap, which holds since the sandbox is never root
             limits.append(f"ulimit -u {self.limits.processes}")
         setup = self._exchange("; ".join(["exec 2>&1", *limits, "echo $$"]), START_S[self.backend], restart=False)
         if setup.status != 0 or not setup.output.strip().isdigit():
             self._stop()
-            raise SandboxError(f"env.terminal.sandbox: {self.backend} did not start a shell: {setup.output.strip()[:300]!r}")
+            raise SandboxError(
+                f"env.terminal.sandbox: {self.backend} did not start a shell: {setup.output.strip()[:300]!r}"
+            )
         self.shell_pid = self._find_shell()
 
     @staticmethod
@@ -405,13 +553,18 @@ class Session:
             self._start()
             restarted = True
         reaped = self._reap_runaway()
-        while reaped and not self.chunks.empty():  # what the killed printed since the last command: not this one's output
+        while (
+            reaped and not self.chunks.empty()
+        ):  # what the killed printed since the last command: not this one's output
             self.chunks.get_nowait()
         result = self._exchange(command, timeout)
         result.restarted = result.restarted or restarted
         if reaped:
-            result.output = (f"[the sandbox reached its cap of {self.limits.processes} processes: {reaped} of them, all but the shell, "
-                             "were killed]\n" + result.output)
+            result.output = (
+                f"[the sandbox reached its cap of {self.limits.processes} processes: {reaped} of them, all but the "
+                f"shell, "
+                "were killed]\n" + result.output
+            )
         return result
 
     def _pids_group(self) -> Path | None:
@@ -467,7 +620,9 @@ class Session:
         for _ in range(400):  # until a read after the count settled finds no one: a fork bomb refills freed slots
             victims = members()
             if not victims:
-                for _ in range(50):  # the killed leave the count as they are reaped: the shell's next forks need the room
+                for _ in range(
+                    50
+                ):  # the killed leave the count as they are reaped: the shell's next forks need the room
                     try:
                         if int((group / "pids.current").read_text()) <= len(keep) + 1:
                             break
@@ -523,7 +678,9 @@ class Session:
 
     def _kill_children(self) -> None:
         if self.backend == "docker":  # from inside: kill(-1) spares PID 1, the shell, and the caller
-            subprocess.run(["docker", "exec", self.container, "bash", "-c", "kill -9 -1"], capture_output=True, timeout=30)
+            subprocess.run(
+                ["docker", "exec", self.container, "bash", "-c", "kill -9 -1"], capture_output=True, timeout=30
+            )
             return
         self._kill_all_but_shell()
 
@@ -620,10 +777,16 @@ def _cgroups(limits: Limits) -> list[Path]:
     pids = _cgroup(Path("/sys/fs/cgroup/pids"), {"pids.max": str(limits.processes)})  # cgroup v1
     if pids is not None:
         cpu = {"cpu.cfs_period_us": str(CPU_PERIOD_US), "cpu.cfs_quota_us": quota} if limits.cpus else None
-        more = [_cgroup(Path("/sys/fs/cgroup/memory"), {"memory.limit_in_bytes": memory}), cpu and _cgroup(Path("/sys/fs/cgroup/cpu"), cpu)]
+        more = [
+            _cgroup(Path("/sys/fs/cgroup/memory"), {"memory.limit_in_bytes": memory}),
+            cpu and _cgroup(Path("/sys/fs/cgroup/cpu"), cpu),
+        ]
         return [pids] + [g for g in more if g]
-    unified = _cgroup(Path("/sys/fs/cgroup"), {"pids.max": str(limits.processes)},  # v2
-                      {"memory.max": memory, **({"cpu.max": f"{quota} {CPU_PERIOD_US}"} if limits.cpus else {})})
+    unified = _cgroup(
+        Path("/sys/fs/cgroup"),
+        {"pids.max": str(limits.processes)},  # v2
+        {"memory.max": memory, **({"cpu.max": f"{quota} {CPU_PERIOD_US}"} if limits.cpus else {})},
+    )
     return [unified] if unified is not None else []
 
 

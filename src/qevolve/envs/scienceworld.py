@@ -18,7 +18,7 @@ The JVM starts at the first reset, with its heap capped (`-Xmx512m`), so listing
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from qevolve.envs.base import Observation, Step, Task, check_types, read_split_file, splits_dir
@@ -35,7 +35,7 @@ def list_tasks(split: str) -> tuple[Task, ...]:
     return _read_split(splits_dir("sciworld"), split)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _read_split(folder: Path, split: str) -> tuple[Task, ...]:
     limits = read_split_file(folder / "max_steps.json")
     tasks = []
@@ -84,8 +84,7 @@ class ScienceWorldEnv:
         self._gold = self._sim.get_gold_action_sequence() if self.expert == "gold" else []
         self._score, self._t = 0, 0
         task_text = info["taskDesc"].removeprefix("Task Description:").strip().removeprefix("Your task is to ")
-        return Observation(instruction=task_text, text=obs.strip(),
-                           admissible=list(info["valid"]))
+        return Observation(instruction=task_text, text=obs.strip(), admissible=list(info["valid"]))
 
     def step(self, action: str) -> Step:
         obs, _, completed, info = self._sim.step(action)
@@ -94,8 +93,14 @@ class ScienceWorldEnv:
         reward = (max(score, 0) - self._score) / 100
         self._score = max(score, 0)
         won = score >= 100
-        return Step(observation=obs.strip(), reward=reward, done=bool(completed) or won or score < 0, won=won,
-                    valid=not obs.startswith(REJECTED_PREFIXES), admissible=list(info["valid"]))
+        return Step(
+            observation=obs.strip(),
+            reward=reward,
+            done=bool(completed) or won or score < 0,
+            won=won,
+            valid=not obs.startswith(REJECTED_PREFIXES),
+            admissible=list(info["valid"]),
+        )
 
     def expert_action(self) -> str | None:
         return self._gold[self._t] if self._t < len(self._gold) else None

@@ -38,8 +38,11 @@ def parse_base(items: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...
     for item in items:
         old, sep, new = item.partition("=")
         if not sep or not old.strip() or not new.strip() or any(c.isspace() for c in item):
-            raise ValueError(f"--base {item!r}: expected ORIGINAL=LOCAL (an image a Dockerfile names, `=`, an image this machine has), "
-                             "e.g. ghcr.io/laude-institute/t-bench/ubuntu-24-04=qevolve-base:bookworm, or *=IMAGE for every base")
+            raise ValueError(
+                f"--base {item!r}: expected ORIGINAL=LOCAL (an image a Dockerfile names, `=`, an image this "
+                f"machine has), "
+                "e.g. ghcr.io/laude-institute/t-bench/ubuntu-24-04=qevolve-base:bookworm, or *=IMAGE for every base"
+            )
         pairs.append((old, new))
     return tuple(pairs)
 
@@ -72,7 +75,8 @@ def map_base(dockerfile: str, base: tuple[tuple[str, str], ...]) -> str:
 
 
 def context_digest(context: Path) -> str:
-    """SHA-256 of a build context: every path under it in order, its kind, executable bit and bytes (a link's target)."""
+    """SHA-256 of a build context: every path under it in order, its kind, executable bit and bytes (a link's
+    target)."""
     h = hashlib.sha256()
     for top, dirs, files in os.walk(context):
         dirs.sort()
@@ -146,14 +150,20 @@ def export_workdir(tag: str, inside: str, dest: Path) -> None:
         path.unlink()
 
 
-def ensure(tag: str, context: Path, log: Path, network: str = "default", timeout: float = 1800.0, registry: str | None = None) -> str:
+def ensure(
+    tag: str, context: Path, log: Path, network: str = "default", timeout: float = 1800.0, registry: str | None = None
+) -> str:
     """Make `tag` present here: pulled from `registry` (default: $QEVOLVE_TASK_REGISTRY), else built from `context`
     (its output appended to `log`) and pushed there. "" when it is present, else why not (with the log's last lines)."""
     if present(tag):
         return ""
     registry = (os.environ.get(REGISTRY_ENV, "") if registry is None else registry).rstrip("/")
     remote = f"{registry}/{tag}" if registry else ""
-    if remote and _docker("pull", remote, timeout=timeout).returncode == 0 and _docker("tag", remote, tag).returncode == 0:
+    if (
+        remote
+        and _docker("pull", remote, timeout=timeout).returncode == 0
+        and _docker("tag", remote, tag).returncode == 0
+    ):
         return ""
     args = [a for k in PROXIES if os.environ.get(k) for a in ("--build-arg", f"{k}={os.environ[k]}")]
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -161,8 +171,13 @@ def ensure(tag: str, context: Path, log: Path, network: str = "default", timeout
         out.write(f"$ docker build --network {network} -t {tag} {context}\n")
         out.flush()
         try:
-            code = subprocess.run(["docker", "build", "--network", network, *args, "-t", tag, str(context)], stdout=out, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, timeout=timeout).returncode
+            code = subprocess.run(
+                ["docker", "build", "--network", network, *args, "-t", tag, str(context)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                timeout=timeout,
+            ).returncode
             why = f"docker build exited with status {code}" if code else ""
         except subprocess.TimeoutExpired:
             why = f"the build did not end in {timeout:g} s"
@@ -174,7 +189,9 @@ def ensure(tag: str, context: Path, log: Path, network: str = "default", timeout
         tail = [ln.strip()[:200] for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-4:-1]
         return f"{why}: " + " | ".join(tail)
     if remote:
-        pushed = _docker("tag", tag, remote).returncode == 0 and _docker("push", remote, timeout=timeout).returncode == 0
+        pushed = (
+            _docker("tag", tag, remote).returncode == 0 and _docker("push", remote, timeout=timeout).returncode == 0
+        )
         if not pushed:
             with open(log, "a") as out:
                 out.write(f"[qevolve: pushing {remote} failed; the image is here only]\n")

@@ -20,22 +20,21 @@ A task is a folder in the Harbor / Terminal-Bench 2 layout, under `env.data_dir/
   trained on by RL and rolled out by an LLM teacher (the validators decide), but gives no expert demonstration
   (an expert's split holding one is refused when its tasks are listed) and no scripted teacher.
 
-An episode is a persistent shell in a sandbox (`qevolve.envs.sandbox`, `env.terminal.sandbox`); an action is
-one command, or `submit`. The observation is the command's output and its exit status. The valid actions
-it lists, for `policy.action_mode: admissible`, are the task's own candidate commands (`candidates`). A step is invalid
-(relabel's "rejected") when the command is empty or does not parse, is not found (status 127) or timed out.
-When the agent submits, reaches `env.max_steps` or the wall clock, the validators run, and inherit nothing
-from the agent (`_validate`): its sandbox is closed first, which ends every process it started; a fresh
-sandbox over the same /app, with a clean environment and a new shell (no variables, functions or aliases
-of the agent's; the task's own `export` lines of setup.sh, a Dockerfile's ENV, are set again), runs the task's `tests/`, bound read-only at /tests from a copy the agent never saw, with
-Python in isolated mode (nothing from /app or the environment on its path) and pytest's configuration,
-rootdir and conftest discovery confined to /tests (no plugin, ini file or conftest.py of /app counts).
-pytest writes its report into a folder only that sandbox sees, under a random name, and the host reads it
-only as a regular file. won = pytest exited 0 and every test passed; the reward is 1/0, or the share
-passed (`env.terminal.partial_reward`). A validation that cannot run, times out or crashes is a lost
-episode (`info["validation_error"]`), never a dropped one. The per-test results are in the last step's `info`.
-Residual risk: tests that import the agent's code run it in the validators' process.
-"""
+An episode is a persistent shell in a sandbox (`qevolve.envs.sandbox`, `env.terminal.sandbox`); an action is one
+command, or `submit`. The observation is the command's output and its exit status. The valid actions it lists, for
+`policy.action_mode: admissible`, are the task's own candidate commands (`candidates`). A step is invalid (relabel's
+"rejected") when the command is empty or does not parse, is not found (status 127) or timed out. When the agent submits,
+reaches `env.max_steps` or the wall clock, the validators run, and inherit nothing from the agent (`_validate`): its
+sandbox is closed first, which ends every process it started; a fresh sandbox over the same /app, with a clean
+environment and a new shell (no variables, functions or aliases of the agent's; the task's own `export` lines of
+setup.sh, a Dockerfile's ENV, are set again), runs the task's `tests/`, bound read-only at /tests from a copy the agent
+never saw, with Python in isolated mode (nothing from /app or the environment on its path) and pytest's configuration,
+rootdir and conftest discovery confined to /tests (no plugin, ini file or conftest.py of /app counts). pytest writes its
+report into a folder only that sandbox sees, under a random name, and the host reads it only as a regular file. won =
+pytest exited 0 and every test passed; the reward is 1/0, or the share passed (`env.terminal.partial_reward`). A
+validation that cannot run, times out or crashes is a lost episode (`info["validation_error"]`), never a dropped one.
+The per-test results are in the last step's `info`. Residual risk: tests that import the agent's code run it in the
+validators' process."""
 
 from __future__ import annotations
 
@@ -53,7 +52,17 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from qevolve.envs.base import Observation, Step, Task, check_types
-from qevolve.envs.sandbox import Limits, SandboxError, Session, available, cap_folder, encode, read_regular, release_folder, remove_tree
+from qevolve.envs.sandbox import (
+    Limits,
+    SandboxError,
+    Session,
+    available,
+    cap_folder,
+    encode,
+    read_regular,
+    release_folder,
+    remove_tree,
+)
 from qevolve.envs.task_images import ensure, export_workdir, image_tag, workdir
 
 SUBMIT = "submit"
@@ -69,15 +78,24 @@ Seconds = Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False, strict=Tru
 Amount = Annotated[float, Field(ge=0, le=2**20, allow_inf_nan=False, strict=True)]
 
 
-EXPECTED = {"agent.timeout_sec": "a finite number of seconds, 0 < s <= 86400", "verifier.timeout_sec": "a finite number of seconds, 0 < s <= 86400",
-            **{f"environment.{k}": "a finite number >= 0 (0 or absent: the config's)" for k in ("cpus", "memory_mb", "storage_mb")},
-            "environment.allow_internet": "true or false", "metadata.category": "a non-empty string",
-            "qevolve.validators": "a list of file names in tests/ (name.py, no folder)"}
+EXPECTED = {
+    "agent.timeout_sec": "a finite number of seconds, 0 < s <= 86400",
+    "verifier.timeout_sec": "a finite number of seconds, 0 < s <= 86400",
+    **{
+        f"environment.{k}": "a finite number >= 0 (0 or absent: the config's)"
+        for k in ("cpus", "memory_mb", "storage_mb")
+    },
+    "environment.allow_internet": "true or false",
+    "metadata.category": "a non-empty string",
+    "qevolve.validators": "a list of file names in tests/ (name.py, no folder)",
+}
 """What each checked key of `task.toml` must hold, for the error that names it."""
 
 
 class _Table(BaseModel):
-    model_config = ConfigDict(extra="allow")  # Harbor's other keys (version, author, difficulty, ...) are read by no one
+    model_config = ConfigDict(
+        extra="allow"
+    )  # Harbor's other keys (version, author, difficulty, ...) are read by no one
 
 
 class _Metadata(_Table):
@@ -130,11 +148,21 @@ def read_task(folder: Path) -> dict:
     except ValidationError as err:
         first = err.errors()[0]
         field = ".".join(str(part) for part in first["loc"] if isinstance(part, str))
-        raise TaskError(f"{path}: {field} must be {EXPECTED.get(field, 'a table')} ({first['msg'].lower()}), got {first.get('input')!r}") from None
+        raise TaskError(
+            f"{path}: {field} must be {EXPECTED.get(field, 'a table')} ({first['msg'].lower()}), got "
+            f"{first.get('input')!r}"
+        ) from None
     env = meta.environment
-    out = {"category": meta.metadata.category, "agent_timeout": meta.agent.timeout_sec, "verifier_timeout": meta.verifier.timeout_sec,
-           "cpus": env.cpus, "memory_mb": env.memory_mb, "storage_mb": env.storage_mb, "allow_internet": env.allow_internet,
-           "validators": meta.qevolve.validators}
+    out = {
+        "category": meta.metadata.category,
+        "agent_timeout": meta.agent.timeout_sec,
+        "verifier_timeout": meta.verifier.timeout_sec,
+        "cpus": env.cpus,
+        "memory_mb": env.memory_mb,
+        "storage_mb": env.storage_mb,
+        "allow_internet": env.allow_internet,
+        "validators": meta.qevolve.validators,
+    }
     missing = [f for f in out["validators"] if not (folder / "tests" / f).is_file()]
     if missing:
         raise TaskError(f"{path}: qevolve.validators names {missing[0]}, which is not a file in {folder / 'tests'}")
@@ -166,8 +194,12 @@ def candidates(folder: Path, oracle: list[str]) -> list[str]:
         mistakes = json.loads(path.read_text()) if path.is_file() else []
     except ValueError as err:
         mistakes = err
-    if not isinstance(mistakes, list) or not all(isinstance(g, list) and all(isinstance(c, str) for c in g) for g in mistakes):
-        raise TaskError(f"{path}: expected a JSON list of lists of commands (one list per oracle step), got {str(mistakes)[:100]!r}")
+    if not isinstance(mistakes, list) or not all(
+        isinstance(g, list) and all(isinstance(c, str) for c in g) for g in mistakes
+    ):
+        raise TaskError(
+            f"{path}: expected a JSON list of lists of commands (one list per oracle step), got {str(mistakes)[:100]!r}"
+        )
     wrong = [c for group in mistakes for c in group]
     return list(dict.fromkeys([*oracle, *wrong, "ls -la", SUBMIT]))
 
@@ -176,11 +208,18 @@ def task_limits(meta: dict, cfg, validators: bool = False) -> Limits:
     """The sandbox limits of a task (`read_task`) under `cfg` (`env.terminal`): what its `[environment]` asks for, up
     to the config's (memory, CPUs, the largest file at most its storage), the network only where the task asks for
     it and `cfg.allow_internet` allows it, and never for the validators."""
+
     def up_to(asked, cap):
         return min(asked, cap) if asked and cap else asked or cap
 
-    return Limits(memory_mb=int(up_to(meta["memory_mb"], cfg.memory_mb)), processes=cfg.processes, file_mb=int(up_to(meta["storage_mb"], cfg.file_mb)),
-                  tmp_mb=cfg.tmp_mb, cpus=float(up_to(meta["cpus"], cfg.cpus)), network=meta["allow_internet"] and cfg.allow_internet and not validators)
+    return Limits(
+        memory_mb=int(up_to(meta["memory_mb"], cfg.memory_mb)),
+        processes=cfg.processes,
+        file_mb=int(up_to(meta["storage_mb"], cfg.file_mb)),
+        tmp_mb=cfg.tmp_mb,
+        cpus=float(up_to(meta["cpus"], cfg.cpus)),
+        network=meta["allow_internet"] and cfg.allow_internet and not validators,
+    )
 
 
 def _parses(command: str) -> bool:
@@ -196,7 +235,9 @@ def test_results(report: bytes) -> dict[str, str]:
     out = {}
     for case in ET.fromstring(report).iter("testcase"):
         kinds = [c.tag for c in case if c.tag in ("failure", "error", "skipped")]
-        out[f"{case.get('classname', '')}::{case.get('name', '')}"] = {"failure": "failed"}.get(kinds[0], kinds[0]) if kinds else "passed"
+        out[f"{case.get('classname', '')}::{case.get('name', '')}"] = (
+            {"failure": "failed"}.get(kinds[0], kinds[0]) if kinds else "passed"
+        )
     return out
 
 
@@ -212,14 +253,22 @@ class TerminalEnv:
     def tasks(self, split: str) -> list[Task]:
         folder = self.root / split
         if not folder.is_dir():
-            raise ValueError(f"{folder}: no split {split!r} of terminal tasks here (env.data_dir holds <split>/<task id>/ folders)")
-        tasks = [Task(id=d.name, split=split, type=read_task(d)["category"]) for d in sorted(folder.iterdir()) if d.is_dir()]
+            raise ValueError(
+                f"{folder}: no split {split!r} of terminal tasks here (env.data_dir holds <split>/<task id>/ folders)"
+            )
+        tasks = [
+            Task(id=d.name, split=split, type=read_task(d)["category"]) for d in sorted(folder.iterdir()) if d.is_dir()
+        ]
         if self.expert:
             without = [t.id for t in tasks if not has_oracle(folder / t.id)]
             if without:
-                raise TaskError(f"{folder}: {len(without)} of its {len(tasks)} tasks are validator-only (no {ORACLE}: {', '.join(without[:3])}"
-                                f"{', ...' if len(without) > 3 else ''}); the expert `{self.expert}` plays a task's oracle, so its split "
-                                "(`experts.split`) must hold tasks that have one")
+                raise TaskError(
+                    f"{folder}: {len(without)} of its {len(tasks)} tasks are validator-only (no {ORACLE}: "
+                    f"{', '.join(without[:3])}"
+                    f"{', ...' if len(without) > 3 else ''}); the expert `{self.expert}` plays a task's oracle, so "
+                    f"its split "
+                    "(`experts.split`) must hold tasks that have one"
+                )
         return tasks
 
     def reset(self, task: Task) -> Observation:
@@ -238,10 +287,18 @@ class TerminalEnv:
                 shutil.copytree(self._images[self.folder][2].name, self.episode_dir, dirs_exist_ok=True, symlinks=True)
             elif env_dir.is_dir():
                 # links are copied as links: they resolve inside the sandbox, never to a host file's content
-                shutil.copytree(env_dir, self.episode_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("setup.sh"), symlinks=True)
+                shutil.copytree(
+                    env_dir,
+                    self.episode_dir,
+                    dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("setup.sh"),
+                    symlinks=True,
+                )
         except OSError as err:  # shutil.Error too: it gathers each file's
             if self.capped and "No space left on device" in str(err):
-                raise TaskError(f"{self.folder}: its files do not fit in env.terminal.disk_mb = {self.cfg.disk_mb} MiB") from None
+                raise TaskError(
+                    f"{self.folder}: its files do not fit in env.terminal.disk_mb = {self.cfg.disk_mb} MiB"
+                ) from None
             raise
         self.session = self._sandbox()
         cfg = self.cfg
@@ -285,7 +342,15 @@ class TerminalEnv:
 
     def _sandbox(self, mounts: tuple = (), validators: bool = False) -> Session:
         backend, image, inside = ("docker", *self.image) if self.image else (self.cfg.sandbox, self.cfg.image, "/app")
-        return Session(backend, self.episode_dir, task_limits(self.meta, self.cfg, validators), self.cfg.output_bytes, image, mounts, inside)
+        return Session(
+            backend,
+            self.episode_dir,
+            task_limits(self.meta, self.cfg, validators),
+            self.cfg.output_bytes,
+            image,
+            mounts,
+            inside,
+        )
 
     def _task_image(self) -> tuple[str, str] | None:
         """(image, its working directory) of a task built from its Dockerfile (`environment/Dockerfile`), made present
@@ -294,16 +359,25 @@ class TerminalEnv:
         if not (context / "Dockerfile").is_file():
             return None
         if self.cfg.sandbox == "local":
-            raise TaskError(f"{context / 'Dockerfile'}: this task runs in its own image, in a docker container; env.terminal.sandbox: local runs none")
+            raise TaskError(
+                f"{context / 'Dockerfile'}: this task runs in its own image, in a docker container; "
+                f"env.terminal.sandbox: local runs none"
+            )
         if self.folder not in self._images:
             tag = image_tag(self.folder.name, context)
             log = Path(tempfile.gettempdir()) / "qevolve-task-builds" / f"{tag.replace('/', '_').replace(':', '_')}.log"
             why = ensure(tag, context, log, self.cfg.build_network, self.cfg.build_timeout)
             if why:
-                raise TaskError(f"{context / 'Dockerfile'}: its image {tag} is not here and could not be made: {why} (the build's log: {log})")
+                raise TaskError(
+                    f"{context / 'Dockerfile'}: its image {tag} is not here and could not be made: {why} (the "
+                    f"build's log: {log})"
+                )
             inside = workdir(tag)
             if inside in VALIDATOR_MOUNTS:
-                raise TaskError(f"{context / 'Dockerfile'}: WORKDIR {inside} is where the validators' files go; a task's working directory must be elsewhere")
+                raise TaskError(
+                    f"{context / 'Dockerfile'}: WORKDIR {inside} is where the validators' files go; a task's "
+                    f"working directory must be elsewhere"
+                )
             template = tempfile.TemporaryDirectory(prefix="qevolve-image-")
             export_workdir(tag, inside, Path(template.name))
             self._images[self.folder] = (tag, inside, template)
@@ -322,9 +396,17 @@ class TerminalEnv:
         passed = sum(v == "passed" for v in results.values())
         won = bool(results) and passed == len(results) and status == 0
         reward = 1.0 if won else (passed / len(results) if results and self.cfg.partial_reward else 0.0)
-        self.info = {"ended": why, "tests": results, "tests_passed": passed, "tests_total": len(results), "validator_timed_out": timed_out,
-                     **({"validation_error": error} if error else {})}
-        summary = f"[episode ended ({why}): {passed}/{len(results)} tests passed{'; validation failed' if error else ''}]"
+        self.info = {
+            "ended": why,
+            "tests": results,
+            "tests_passed": passed,
+            "tests_total": len(results),
+            "validator_timed_out": timed_out,
+            **({"validation_error": error} if error else {}),
+        }
+        summary = (
+            f"[episode ended ({why}): {passed}/{len(results)} tests passed{'; validation failed' if error else ''}]"
+        )
         return Step(f"{text}\n{summary}".strip(), reward, True, won, valid)
 
     def _run_validators(self) -> tuple[dict[str, str], int, bool, str]:
@@ -342,22 +424,36 @@ class TerminalEnv:
                 if not path.is_symlink():
                     path.chmod(0o755 if path.is_dir() else 0o644)
             name = f"{secrets.token_hex(8)}.xml"
-            setup = self.folder / "environment" / "setup.sh"  # the task's own variables (a Dockerfile's ENV), not the agent's
-            exports = [ln for ln in setup.read_text().splitlines() if ln.startswith("export ")] if setup.is_file() else []
-            session = self._sandbox(tuple(zip((tests, config, report), VALIDATOR_MOUNTS, (False, False, True))), validators=True)
+            setup = (
+                self.folder / "environment" / "setup.sh"
+            )  # the task's own variables (a Dockerfile's ENV), not the agent's
+            exports = (
+                [ln for ln in setup.read_text().splitlines() if ln.startswith("export ")] if setup.is_file() else []
+            )
+            session = self._sandbox(
+                tuple(zip((tests, config, report), VALIDATOR_MOUNTS, (False, False, True))), validators=True
+            )
             try:
                 inside = session.where
                 targets = " ".join(f"{inside('/tests')}/{f}" for f in self.meta["validators"]) or inside("/tests")
-                run = session.run("".join(f"{e}; " for e in exports) +
-                                  f"cd {session.app} && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {session.python} -I -m pytest -q -p no:cacheprovider "
-                                  f"-c {inside('/qevolve')}/pytest.ini --rootdir {inside('/tests')} --confcutdir {inside('/tests')} "
-                                  f"--junitxml {inside('/report')}/{name} {targets}", self.verifier_timeout)
+                run = session.run(
+                    "".join(f"{e}; " for e in exports)
+                    + f"cd {session.app} && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {session.python} -I -m pytest -q -p "
+                    f"no:cacheprovider "
+                    f"-c {inside('/qevolve')}/pytest.ini --rootdir {inside('/tests')} --confcutdir {inside('/tests')} "
+                    f"--junitxml {inside('/report')}/{name} {targets}",
+                    self.verifier_timeout,
+                )
             finally:
                 session.close()
             try:
                 return test_results(read_regular(report / name)), run.status, run.timed_out, ""
             except (ValueError, ET.ParseError) as err:  # no report, or not one pytest wrote
-                why = f"timed out after {self.verifier_timeout:g} s" if run.timed_out else f"pytest exited with status {run.status}"
+                why = (
+                    f"timed out after {self.verifier_timeout:g} s"
+                    if run.timed_out
+                    else f"pytest exited with status {run.status}"
+                )
                 return {}, run.status, run.timed_out, f"no validators' report ({why}): {err}"[:300]
 
     @property
@@ -388,6 +484,8 @@ def check_data(cfg, generated: bool = False) -> None:
     if why := available(cfg.terminal.sandbox, cfg.terminal.image or None):
         raise SandboxError(f"env.terminal.sandbox: {why}")
     if not cfg.data_dir:
-        raise ValueError("env.data_dir: the terminal environment needs the folder of its <split>/<task id>/ task folders")
+        raise ValueError(
+            "env.data_dir: the terminal environment needs the folder of its <split>/<task id>/ task folders"
+        )
     if not generated:
         check_types(cfg, TerminalEnv(cfg.data_dir, cfg.terminal, cfg.max_steps).tasks("train"))

@@ -4,7 +4,8 @@
 Such a task's environment is a Docker image built from its Dockerfile. With `build` (`--build`, a Docker engine)
 every task with a Dockerfile is imported with its build context and its image built (`qevolve.envs.task_images`),
 and runs in it; a failed build is that task's `build_failed`, with its log beside the task. Without, no image is
-built: a task is imported when its Dockerfile reduces to what the bwrap sandbox can give, files and commands the host has:
+built: a task is imported when its Dockerfile reduces to what the bwrap sandbox can give, files and commands the host
+has:
 - `FROM` (the host's system stands in for the image), `WORKDIR /app`, `ENV` (exported for the later
   `RUN`s of `setup.sh`, not into the agent's shell: the gate rejects a task whose oracle needs them),
   `COPY`/`ADD` of the build context's files into /app (copied into `environment/`), and `RUN` commands
@@ -46,20 +47,63 @@ from qevolve.errors import UserError
 
 APP = "/app"
 REPORT = "import.json"
-IGNORED = {"LABEL", "EXPOSE", "CMD", "ENTRYPOINT", "ARG", "USER", "MAINTAINER", "HEALTHCHECK", "STOPSIGNAL", "SHELL", "VOLUME"}
-FETCHING = {"apt", "apt-get", "aptitude", "dpkg", "yum", "dnf", "apk", "pacman", "zypper", "pip", "pip3", "pipx", "uv", "conda", "mamba",
-            "npm", "npx", "yarn", "pnpm", "gem", "cargo", "go", "curl", "wget", "git", "snap", "brew"}
+IGNORED = {
+    "LABEL",
+    "EXPOSE",
+    "CMD",
+    "ENTRYPOINT",
+    "ARG",
+    "USER",
+    "MAINTAINER",
+    "HEALTHCHECK",
+    "STOPSIGNAL",
+    "SHELL",
+    "VOLUME",
+}
+FETCHING = {
+    "apt",
+    "apt-get",
+    "aptitude",
+    "dpkg",
+    "yum",
+    "dnf",
+    "apk",
+    "pacman",
+    "zypper",
+    "pip",
+    "pip3",
+    "pipx",
+    "uv",
+    "conda",
+    "mamba",
+    "npm",
+    "npx",
+    "yarn",
+    "pnpm",
+    "gem",
+    "cargo",
+    "go",
+    "curl",
+    "wget",
+    "git",
+    "snap",
+    "brew",
+}
 """Programs that install or download: a RUN that calls one needs the image."""
 VALIDATOR_ONLY = {
     False: "validator-only (no oracle): not gated; it gives no expert demonstration",
-    True: "validator-only (no oracle): the gate checked that the untouched environment fails the validators twice the same way; "
-          "whether the task can be solved could not be checked; it gives no expert demonstration",
+    True: "validator-only (no oracle): the gate checked that the untouched environment fails the validators twice "
+    "the same way; "
+    "whether the task can be solved could not be checked; it gives no expert demonstration",
 }
 """The report's reason for an imported task without an oracle, by whether the gate ran."""
 
 
 class TaskImportError(UserError, ValueError):
-    hint = "qevolve terminal-import SRC DEST: SRC holds task folders (Harbor: task.toml + instruction.md; Terminal-Bench 1: task.yaml)"
+    hint = (
+        "qevolve terminal-import SRC DEST: SRC holds task folders (Harbor: task.toml + instruction.md; "
+        "Terminal-Bench 1: task.yaml)"
+    )
 
 
 class NeedsDocker(Exception):
@@ -91,8 +135,29 @@ def _programs(command: str) -> list[str]:
         words = [w for w in shlex.split(part, posix=True) if not re.match(r"^\w+=", w)] if part.strip() else []
         while words and words[0] in ("sudo", "env", "nohup", "time", "exec"):
             words = words[1:]
-        if words and words[0] not in ("cd", "export", "set", "true", "false", "[", "test", "echo", "printf", "mkdir", "if", "then", "fi", "for",
-                                      "do", "done", "while", "{", "}", "(", ")"):
+        if words and words[0] not in (
+            "cd",
+            "export",
+            "set",
+            "true",
+            "false",
+            "[",
+            "test",
+            "echo",
+            "printf",
+            "mkdir",
+            "if",
+            "then",
+            "fi",
+            "for",
+            "do",
+            "done",
+            "while",
+            "{",
+            "}",
+            "(",
+            ")",
+        ):
             names.append(words[0])
     return names
 
@@ -137,14 +202,16 @@ def translate(dockerfile: Path) -> tuple[list[tuple[Path, str]], list[str]]:
             dst = posixpath.normpath(dst if dst.startswith("/") else f"{workdir}/{dst}") + "/" * slash
             if not (dst + "/").startswith(APP + "/"):
                 raise NeedsDocker(f"{where}: copies outside {APP}")
-            rel = dst[len(APP):].strip("/")
+            rel = dst[len(APP) :].strip("/")
             for src in sources:
                 if re.match(r"^\w+://", src) or not (context / src).exists():
                     raise NeedsDocker(f"{where}: {src} is not a file of the build context")
                 if Path(src).is_absolute() or not (context / src).resolve().is_relative_to(context.resolve()):
                     raise ValueError(f"{where}: {src} leads outside the build context {context}")
                 into = (context / src).is_file() and (len(sources) > 1 or dst.endswith("/") or not rel)
-                files.append((context / src, f"{rel}/{Path(src).name}".strip("/") if into else rel))  # a folder: its contents
+                files.append(
+                    (context / src, f"{rel}/{Path(src).name}".strip("/") if into else rel)
+                )  # a folder: its contents
         elif word == "RUN":
             command = rest
             if command.startswith("["):
@@ -163,11 +230,21 @@ def translate(dockerfile: Path) -> tuple[list[tuple[Path, str]], list[str]]:
 def _layout(folder: Path) -> dict | None:
     """Where a task folder keeps its parts (Harbor / TB2, or TB1), or None when it is not a task."""
     if (folder / "task.toml").is_file() and (folder / "instruction.md").is_file():
-        return {"kind": "harbor", "dockerfile": folder / "environment" / "Dockerfile", "compose": folder / "environment" / "docker-compose.yaml",
-                "solution": folder / "solution" / "solve.sh", "runner": folder / "tests" / "test.sh"}
+        return {
+            "kind": "harbor",
+            "dockerfile": folder / "environment" / "Dockerfile",
+            "compose": folder / "environment" / "docker-compose.yaml",
+            "solution": folder / "solution" / "solve.sh",
+            "runner": folder / "tests" / "test.sh",
+        }
     if (folder / "task.yaml").is_file():
-        return {"kind": "tb1", "dockerfile": folder / "Dockerfile", "compose": folder / "docker-compose.yaml", "solution": folder / "solution.sh",
-                "runner": folder / "run-tests.sh"}
+        return {
+            "kind": "tb1",
+            "dockerfile": folder / "Dockerfile",
+            "compose": folder / "docker-compose.yaml",
+            "solution": folder / "solution.sh",
+            "runner": folder / "run-tests.sh",
+        }
     return None
 
 
@@ -177,7 +254,9 @@ def validators(runner: Path, tests: Path) -> list[str]:
     `test_*.py` is a validator). A named file `tests` lacks is a ValueError (unsupported)."""
     if not runner.is_file():
         return []
-    named = list(dict.fromkeys(re.findall(r"(?:/tests|\$\{?TEST_DIR\}?)/([\w.-]+\.py)\b", runner.read_text(errors="replace"))))
+    named = list(
+        dict.fromkeys(re.findall(r"(?:/tests|\$\{?TEST_DIR\}?)/([\w.-]+\.py)\b", runner.read_text(errors="replace")))
+    )
     missing = [n for n in named if not (tests / n).is_file()]
     if missing:
         raise ValueError(f"{runner}: runs {missing[0]}, which {tests} does not hold")
@@ -192,11 +271,16 @@ def _compose_services(path: Path) -> int:
 
 def _task_toml(meta: dict) -> str:
     """A TB1 task.yaml's settings as a Harbor task.toml."""
+
     def q(v) -> str:
         return json.dumps(str(v))
 
-    return (f'version = "1.0"\n\n[metadata]\ncategory = {q(meta.get("category") or "general")}\ndifficulty = {q(meta.get("difficulty") or "unknown")}\n\n'
-            f'[agent]\ntimeout_sec = {float(meta.get("max_agent_timeout_sec", 360))}\n\n[verifier]\ntimeout_sec = {float(meta.get("max_test_timeout_sec", 60))}\n')
+    return (
+        f'version = "1.0"\n\n[metadata]\ncategory = {q(meta.get("category") or "general")}\ndifficulty = '
+        f"{q(meta.get('difficulty') or 'unknown')}\n\n"
+        f"[agent]\ntimeout_sec = {float(meta.get('max_agent_timeout_sec', 360))}\n\n[verifier]\ntimeout_sec = "
+        f"{float(meta.get('max_test_timeout_sec', 60))}\n"
+    )
 
 
 def convert(folder: Path, out: Path, base: tuple[tuple[str, str], ...] | None = None) -> bool:
@@ -210,7 +294,10 @@ def convert(folder: Path, out: Path, base: tuple[tuple[str, str], ...] | None = 
         raise ValueError(f"{links[0]}: a link leading outside the task folder ({len(links)} in all)")
     special = special_files(folder)
     if special:
-        raise ValueError(f"{special[0]}: not a regular file, a folder or a link (a device, a FIFO or a socket; {len(special)} in all)")
+        raise ValueError(
+            f"{special[0]}: not a regular file, a folder or a link (a device, a FIFO or a socket; {len(special)} "
+            f"in all)"
+        )
     tests = sorted((folder / "tests").glob("test_*.py")) if (folder / "tests").is_dir() else []
     if not tests:
         raise ValueError(f"{folder / 'tests'}: no pytest validators (test_*.py)")
@@ -230,19 +317,32 @@ def convert(folder: Path, out: Path, base: tuple[tuple[str, str], ...] | None = 
     if image:
         context = parts["dockerfile"].parent
         skip = ("tests", "solution.sh", "task.yaml") if parts["kind"] == "tb1" else ()
-        shutil.copytree(context, env, symlinks=True, ignore=lambda top, names: [n for n in names if Path(top) == context and n in skip])
+        shutil.copytree(
+            context,
+            env,
+            symlinks=True,
+            ignore=lambda top, names: [n for n in names if Path(top) == context and n in skip],
+        )
         (env / "Dockerfile").write_text(map_base((env / "Dockerfile").read_text(), base))
     env.mkdir(parents=True, exist_ok=True)
     for src, rel in files:
         target = env / rel if rel else env
         if src.is_dir():
-            shutil.copytree(src, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("Dockerfile", "docker-compose.yaml"), symlinks=True)
+            shutil.copytree(
+                src,
+                target,
+                dirs_exist_ok=True,
+                ignore=shutil.ignore_patterns("Dockerfile", "docker-compose.yaml"),
+                symlinks=True,
+            )
         else:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, target)
     if setup:
         (env / "setup.sh").write_text("\n".join(setup) + "\n")
-    shutil.copytree(folder / "tests", out / "tests", ignore=shutil.ignore_patterns("test.sh", "__pycache__"), symlinks=True)
+    shutil.copytree(
+        folder / "tests", out / "tests", ignore=shutil.ignore_patterns("test.sh", "__pycache__"), symlinks=True
+    )
     if parts["solution"].is_file():
         (out / "solution").mkdir()
         shutil.copy2(parts["solution"], out / "solution" / "solve.sh")
@@ -250,19 +350,29 @@ def convert(folder: Path, out: Path, base: tuple[tuple[str, str], ...] | None = 
     if named:  # appended as a table of its own
         if "qevolve" in tomllib.loads(toml):
             raise ValueError(f"{folder / 'task.toml'}: a [qevolve] table of its own (the importer writes that table)")
-        toml = f"{toml.rstrip()}\n\n# the validators {parts['runner'].name} runs (qevolve terminal-import)\n[qevolve]\nvalidators = {json.dumps(named)}\n"
+        toml = (
+            f"{toml.rstrip()}\n\n# the validators {parts['runner'].name} runs (qevolve "
+            f"terminal-import)\n[qevolve]\nvalidators = {json.dumps(named)}\n"
+        )
     (out / "instruction.md").write_text(instruction.strip() + "\n")
     (out / "task.toml").write_text(toml)
     return image
 
 
-def import_tasks(src: Path, dest: Path, split: str = "test", terminal=None, max_steps: int = 40, gate: bool = True,
-                 build: tuple[tuple[str, str], ...] | None = None) -> dict:
+def import_tasks(
+    src: Path,
+    dest: Path,
+    split: str = "test",
+    terminal=None,
+    max_steps: int = 40,
+    gate: bool = True,
+    build: tuple[tuple[str, str], ...] | None = None,
+) -> dict:
     """Every task folder under `src` into `dest/<split>/<task id>/` (a new split, written whole or not at all);
-    `dest/<split>/import.json` the report. The gate runs in `terminal`'s sandbox (an `env.terminal` config)
-    unless `gate` is False. With `build` (a base mapping, `task_images.parse_base`; () maps nothing), every task
-    with a Dockerfile gets its image built (`terminal`'s `build_network` and `build_timeout`; the log beside it,
-    `<task id>.build.log`) and runs in it; a failed build is that task's `build_failed`. Returns the counts by status."""
+    `dest/<split>/import.json` the report. The gate runs in `terminal`'s sandbox (an `env.terminal` config) unless
+    `gate` is False. With `build` (a base mapping, `task_images.parse_base`; () maps nothing), every task with a
+    Dockerfile gets its image built (`terminal`'s `build_network` and `build_timeout`; the log beside it, `<task
+    id>.build.log`) and runs in it; a failed build is that task's `build_failed`. Returns the counts by status."""
     from qevolve.config import TerminalConfig
     from qevolve.envs.base import Task
     from qevolve.envs.terminal import TerminalEnv, has_oracle
@@ -273,7 +383,10 @@ def import_tasks(src: Path, dest: Path, split: str = "test", terminal=None, max_
     src, dest = Path(src), Path(dest)
     folders = sorted(f for f in src.iterdir() if f.is_dir() and _layout(f)) if src.is_dir() else []
     if not folders:
-        raise TaskImportError(f"{src}: no task folders (a Harbor task has task.toml and instruction.md, a Terminal-Bench 1 task task.yaml)")
+        raise TaskImportError(
+            f"{src}: no task folders (a Harbor task has task.toml and instruction.md, a Terminal-Bench 1 task "
+            f"task.yaml)"
+        )
     if (dest / split).exists():
         raise TaskImportError(f"{dest / split}: already exists; import into a new split (--split) or another folder")
     report = {}
@@ -302,16 +415,34 @@ def import_tasks(src: Path, dest: Path, split: str = "test", terminal=None, max_
                         continue
                 try:
                     why = sanity_gate(env, Task(folder.name, tmp.name, "imported")) if env else ""
-                except (UserError, ValueError, RuntimeError, OSError, subprocess.SubprocessError) as err:  # an environment that cannot start
+                except (
+                    UserError,
+                    ValueError,
+                    RuntimeError,
+                    OSError,
+                    subprocess.SubprocessError,
+                ) as err:  # an environment that cannot start
                     why, made["error"] = "environment_fails", f"{type(err).__name__}: {err}"[:500]
-                else:  # this task's last episode's (an earlier task's info must not stand for an environment that never started)
+                # this task's last episode's (an earlier task's info must not stand for an environment that never
+                # started)
+                else:
                     if why and env.info.get("validation_error"):
                         made["error"] = env.info["validation_error"]
                 if why:
                     shutil.rmtree(tmp / folder.name)
-                    report[folder.name] = {"status": f"rejected_{why}", "reason": f"the sanity gate: {why.replace('_', ' ')}", "oracle": oracle, **made}
+                    report[folder.name] = {
+                        "status": f"rejected_{why}",
+                        "reason": f"the sanity gate: {why.replace('_', ' ')}",
+                        "oracle": oracle,
+                        **made,
+                    }
                 else:
-                    report[folder.name] = {"status": "imported", "oracle": oracle, "reason": "" if oracle else VALIDATOR_ONLY[bool(env)], **made}
+                    report[folder.name] = {
+                        "status": "imported",
+                        "oracle": oracle,
+                        "reason": "" if oracle else VALIDATOR_ONLY[bool(env)],
+                        **made,
+                    }
         finally:
             if env:
                 env.close()

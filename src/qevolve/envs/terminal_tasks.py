@@ -22,8 +22,34 @@ from pathlib import Path
 
 from qevolve.envs.terminal import ORACLE, SUBMIT, has_oracle, oracle_steps
 
-WORDS = ["alpha", "bravo", "cedar", "delta", "ember", "fjord", "gamma", "harbor", "indigo", "juniper", "kepler", "lumen", "maple",
-         "nectar", "onyx", "pixel", "quartz", "raven", "sierra", "tundra", "umber", "velvet", "willow", "xenon", "yarrow", "zephyr"]
+WORDS = [
+    "alpha",
+    "bravo",
+    "cedar",
+    "delta",
+    "ember",
+    "fjord",
+    "gamma",
+    "harbor",
+    "indigo",
+    "juniper",
+    "kepler",
+    "lumen",
+    "maple",
+    "nectar",
+    "onyx",
+    "pixel",
+    "quartz",
+    "raven",
+    "sierra",
+    "tundra",
+    "umber",
+    "velvet",
+    "willow",
+    "xenon",
+    "yarrow",
+    "zephyr",
+]
 
 
 @dataclass
@@ -41,18 +67,25 @@ class Spec:
 
 
 def _tests(body: str) -> str:
-    return "import json\nimport os\nimport subprocess\nimport time\nfrom pathlib import Path\n\n" + textwrap.dedent(body).lstrip()
+    return (
+        "import json\nimport os\nimport subprocess\nimport time\nfrom pathlib import Path\n\n"
+        + textwrap.dedent(body).lstrip()
+    )
 
 
 def files(rng: random.Random) -> Spec:
     ext, other = rng.sample(["txt", "csv", "log", "md"], 2)
     names = rng.sample(WORDS, 6)
     wanted, rest = sorted(names[: rng.randint(2, 4)]), names[4:]
-    contents = {f"src/{n}.{ext}": f"{n} {rng.randint(0, 999)}\n" for n in wanted} | {f"src/{n}.{other}": f"{n}\n" for n in rest}
+    contents = {f"src/{n}.{ext}": f"{n} {rng.randint(0, 999)}\n" for n in wanted} | {
+        f"src/{n}.{other}": f"{n}\n" for n in rest
+    }
     dest = rng.choice(["out", "backup", "keep", "selected"])
     expected = {f"{n}.{ext}": contents[f"src/{n}.{ext}"] for n in wanted}
     return Spec(
-        "files", f"Copy every .{ext} file from src/ into a new directory {dest}/, keeping their names and contents. Leave src/ as it is.",
+        "files",
+        f"Copy every .{ext} file from src/ into a new directory {dest}/, keeping their names and contents. Leave "
+        f"src/ as it is.",
         contents,
         _tests(f"""
             EXPECTED = {expected!r}
@@ -65,27 +98,48 @@ def files(rng: random.Random) -> Spec:
                 assert len(list(Path("src").iterdir())) == {len(contents)}
             """),
         [f"mkdir -p {dest}", f"cp src/*.{ext} {dest}/"],
-        [[f"mkdir -p {dest}s", f"mkdir -p src/{dest}"], [f"cp src/*.{other} {dest}/", f"mv src/*.{ext} {dest}/", f"cp src/* {dest}/"]],
+        [
+            [f"mkdir -p {dest}s", f"mkdir -p src/{dest}"],
+            [f"cp src/*.{other} {dest}/", f"mv src/*.{ext} {dest}/", f"cp src/* {dest}/"],
+        ],
     )
 
 
 def text(rng: random.Random) -> Spec:
     levels = ["INFO", "WARN", "ERROR", "DEBUG"]
-    messages = ["disk usage checked", "request served", "cache refreshed", "user signed in", "job queued", "backup finished", "token renewed"]
-    lines = [f"2026-11-{rng.randint(1, 30):02d} {rng.choice(levels)} {rng.choice(messages)}" for _ in range(rng.randint(20, 60))]
+    messages = [
+        "disk usage checked",
+        "request served",
+        "cache refreshed",
+        "user signed in",
+        "job queued",
+        "backup finished",
+        "token renewed",
+    ]
+    lines = [
+        f"2026-11-{rng.randint(1, 30):02d} {rng.choice(levels)} {rng.choice(messages)}"
+        for _ in range(rng.randint(20, 60))
+    ]
     word = rng.choice(levels)
     count = sum(word in ln for ln in lines)
     out = rng.choice(["count.txt", "result.txt", f"{word.lower()}s.txt"])
     return Spec(
-        "text", f"Count the lines of app.log that contain {word} and write the number alone to {out}.",
+        "text",
+        f"Count the lines of app.log that contain {word} and write the number alone to {out}.",
         {"app.log": "\n".join(lines) + "\n"},
         _tests(f"""
             def test_count():
                 assert Path({out!r}).read_text().strip() == "{count}"
             """),
         [f"grep -c '{word}' app.log > {out}"],
-        [[f"grep -c '{word.lower()}' app.log > {out}", f"grep '{word}' app.log > {out}", f"grep -c '{word}' app.log > {out}.txt",
-          f"wc -l app.log > {out}"]],
+        [
+            [
+                f"grep -c '{word.lower()}' app.log > {out}",
+                f"grep '{word}' app.log > {out}",
+                f"grep -c '{word}' app.log > {out}.txt",
+                f"wc -l app.log > {out}",
+            ]
+        ],
     )
 
 
@@ -96,36 +150,59 @@ def csv(rng: random.Random) -> Spec:
     total = sum(a for _, r, a in rows if r == region)
     body = "id,region,amount\n" + "".join(f"{i},{r},{a}\n" for i, r, a in rows)
     return Spec(
-        "csv", f"data.csv has a header row. Sum the amount column over the rows whose region is {region}, and write the total alone to total.txt.",
+        "csv",
+        f"data.csv has a header row. Sum the amount column over the rows whose region is {region}, and write the "
+        f"total alone to total.txt.",
         {"data.csv": body},
         _tests(f"""
             def test_total():
                 assert Path("total.txt").read_text().strip() == "{total}"
             """),
         [f"awk -F, 'NR>1 && $2==\"{region}\" {{s+=$3}} END {{print s}}' data.csv > total.txt"],
-        [[f"awk -F';' 'NR>1 && $2==\"{region}\" {{s+=$3}} END {{print s}}' data.csv > total.txt",
-          f"awk -F, 'NR>1 && $2==\"{region}\" {{s+=$1}} END {{print s}}' data.csv > total.txt",
-          "awk -F, 'NR>1 {s+=$3} END {print s}' data.csv > total.txt",
-          f"grep -c {region} data.csv > total.txt"]],
+        [
+            [
+                f"awk -F';' 'NR>1 && $2==\"{region}\" {{s+=$3}} END {{print s}}' data.csv > total.txt",
+                f"awk -F, 'NR>1 && $2==\"{region}\" {{s+=$1}} END {{print s}}' data.csv > total.txt",
+                "awk -F, 'NR>1 {s+=$3} END {print s}' data.csv > total.txt",
+                f"grep -c {region} data.csv > total.txt",
+            ]
+        ],
     )
 
 
 def json_edit(rng: random.Random) -> Spec:
-    config = {"name": rng.choice(WORDS), "port": rng.randint(1000, 9000), "debug": rng.random() < 0.5, "workers": rng.randint(1, 8)}
+    config = {
+        "name": rng.choice(WORDS),
+        "port": rng.randint(1000, 9000),
+        "debug": rng.random() < 0.5,
+        "workers": rng.randint(1, 8),
+    }
     key = rng.choice(["port", "debug", "workers"])
-    value = {"port": config["port"] + rng.randint(1, 99), "debug": not config["debug"], "workers": config["workers"] + rng.randint(1, 8)}[key]
+    value = {
+        "port": config["port"] + rng.randint(1, 99),
+        "debug": not config["debug"],
+        "workers": config["workers"] + rng.randint(1, 8),
+    }[key]
     literal = json.dumps(value)
     expected = {**config, key: value}
     return Spec(
-        "json", f"Set {key} to {literal} in config.json, keeping the other settings as they are. The file must stay valid JSON.",
+        "json",
+        f"Set {key} to {literal} in config.json, keeping the other settings as they are. The file must stay valid "
+        f"JSON.",
         {"config.json": json.dumps(config, indent=2) + "\n"},
         _tests(f"""
             def test_config():
                 assert json.loads(Path("config.json").read_text()) == {expected!r}
             """),
         [f"jq '.{key} = {literal}' config.json > config.new", "mv config.new config.json"],
-        [[f"jq '.{key} = \"{literal}\"' config.json > config.new", f"jq '.{key}s = {literal}' config.json > config.new",
-          f"jq '{{{key}: {literal}}}' config.json > config.new"], ["cp config.new config.json.bak", "mv config.json config.new"]],
+        [
+            [
+                f"jq '.{key} = \"{literal}\"' config.json > config.new",
+                f"jq '.{key}s = {literal}' config.json > config.new",
+                f"jq '{{{key}: {literal}}}' config.json > config.new",
+            ],
+            ["cp config.new config.json.bak", "mv config.json config.new"],
+        ],
     )
 
 
@@ -133,11 +210,17 @@ def archive(rng: random.Random) -> Spec:
     names = rng.sample(WORDS, 4)
     contents = {n: f"{n} {rng.randint(0, 9999)}\n" for n in names}
     member = f"bundle/{names[0]}.txt"
-    setup = "mkdir -p bundle\n" + "".join(f"printf '%s' '{c}' > bundle/{n}.txt\n" for n, c in contents.items()) + \
-        "tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf - bundle | gzip -n > bundle.tar.gz\nrm -r bundle\n"
+    setup = (
+        "mkdir -p bundle\n"
+        + "".join(f"printf '%s' '{c}' > bundle/{n}.txt\n" for n, c in contents.items())
+        + "tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf - bundle | gzip -n > "
+        "bundle.tar.gz\nrm -r bundle\n"
+    )
     return Spec(
-        "archive", f"Extract only {member} from bundle.tar.gz, keeping its path, and leave the archive in place.",
-        {}, _tests(f"""
+        "archive",
+        f"Extract only {member} from bundle.tar.gz, keeping its path, and leave the archive in place.",
+        {},
+        _tests(f"""
             def test_member():
                 assert Path({member!r}).read_text() == {contents[names[0]]!r}
 
@@ -148,7 +231,13 @@ def archive(rng: random.Random) -> Spec:
                 assert Path("bundle.tar.gz").is_file()
             """),
         [f"tar -xzf bundle.tar.gz {member}"],
-        [["tar -xzf bundle.tar.gz", f"tar -xzf bundle.tar.gz bundle/{names[1]}.txt", f"tar -tzf bundle.tar.gz {member}"]],
+        [
+            [
+                "tar -xzf bundle.tar.gz",
+                f"tar -xzf bundle.tar.gz bundle/{names[1]}.txt",
+                f"tar -tzf bundle.tar.gz {member}",
+            ]
+        ],
         setup=setup,
     )
 
@@ -159,7 +248,9 @@ def python_fix(rng: random.Random) -> Spec:
     expected = sum(i**power for i in range(1, n + 1))
     script = f"def total(n):\n    return sum(i ** {power} for i in range(1, n))\n\n\nprint(total({n}))\n"
     return Spec(
-        "python", f"calc.py should print the sum of the {what} of 1 to {n}, but it prints a wrong number. Fix calc.py so that `python3 calc.py` prints the right one.",
+        "python",
+        f"calc.py should print the sum of the {what} of 1 to {n}, but it prints a wrong number. Fix calc.py so "
+        f"that `python3 calc.py` prints the right one.",
         {"calc.py": script},
         _tests(f"""
             def test_prints_the_sum():
@@ -167,7 +258,13 @@ def python_fix(rng: random.Random) -> Spec:
                 assert done.stdout.strip() == "{expected}"
             """),
         ["sed -i 's/range(1, n)/range(1, n + 1)/' calc.py"],
-        [["sed -i 's/range(1, n)/range(0, n)/' calc.py", "sed 's/range(1, n)/range(1, n + 1)/' calc.py", "sed -i 's/range(1, n)/range(2, n + 1)/' calc.py"]],
+        [
+            [
+                "sed -i 's/range(1, n)/range(0, n)/' calc.py",
+                "sed 's/range(1, n)/range(1, n + 1)/' calc.py",
+                "sed -i 's/range(1, n)/range(2, n + 1)/' calc.py",
+            ]
+        ],
     )
 
 
@@ -177,21 +274,31 @@ def sqlite(rng: random.Random) -> Spec:
     status = rows[0][2]
     out = rng.choice(["answer.txt", f"{status}.txt"])
     values = ", ".join(f"({i}, '{c}', '{s}', {t})" for i, c, s, t in rows)
-    setup = f"sqlite3 shop.db \"CREATE TABLE orders(id INTEGER, customer TEXT, status TEXT, total INTEGER); INSERT INTO orders VALUES {values};\"\n"
+    setup = (
+        f'sqlite3 shop.db "CREATE TABLE orders(id INTEGER, customer TEXT, status TEXT, total INTEGER); INSERT '
+        f'INTO orders VALUES {values};"\n'
+    )
     counts = {s: sum(r[2] == s for r in rows) for s in statuses}
     count = counts[status]
     other = next((s for s in statuses if counts[s] != count), next(s for s in statuses if s != status))
     return Spec(
-        "sqlite", f"shop.db is a SQLite database with a table orders(id, customer, status, total). Write the number of orders whose status is "
-                  f"'{status}' alone to {out}.",
-        {}, _tests(f"""
+        "sqlite",
+        f"shop.db is a SQLite database with a table orders(id, customer, status, total). Write the number of "
+        f"orders whose status is "
+        f"'{status}' alone to {out}.",
+        {},
+        _tests(f"""
             def test_count():
                 assert Path({out!r}).read_text().strip() == "{count}"
             """),
         [f"sqlite3 shop.db \"SELECT COUNT(*) FROM orders WHERE status = '{status}';\" > {out}"],
-        [[f"sqlite3 shop.db \"SELECT COUNT(*) FROM orders WHERE status = '{other}';\" > {out}",
-          f"sqlite3 shop.db \"SELECT SUM(total) FROM orders WHERE status = '{status}';\" > {out}",
-          f"sqlite3 shop.db \"SELECT COUNT(*) FROM orders;\" > {out}"]],
+        [
+            [
+                f"sqlite3 shop.db \"SELECT COUNT(*) FROM orders WHERE status = '{other}';\" > {out}",
+                f"sqlite3 shop.db \"SELECT SUM(total) FROM orders WHERE status = '{status}';\" > {out}",
+                f'sqlite3 shop.db "SELECT COUNT(*) FROM orders;" > {out}',
+            ]
+        ],
         setup=setup,
     )
 
@@ -202,8 +309,10 @@ def service(rng: random.Random) -> Spec:
     port, token = rng.randint(8000, 8999), f"{rng.choice(WORDS)}-{rng.randint(0, 99999)}"
     serve = f"python3 -m http.server {port} --bind 127.0.0.1 --directory www"
     return Spec(
-        "service", f"Write an executable script serve.sh that, when run, serves the www/ directory over HTTP on 127.0.0.1 port {port} "
-                   f"and keeps running in the foreground.",
+        "service",
+        f"Write an executable script serve.sh that, when run, serves the www/ directory over HTTP on 127.0.0.1 "
+        f"port {port} "
+        f"and keeps running in the foreground.",
         {"www/index.html": f"<p>{token}</p>\n"},
         _tests(f"""
             import urllib.request
@@ -224,16 +333,24 @@ def service(rng: random.Random) -> Spec:
                     raise AssertionError("nothing answers on port {port}")
                 finally:
                     os.killpg(server.pid, 9)
-            """),
+            """),  # noqa: E501 - the task's test file as written
         [f"printf '#!/bin/bash\\nexec {serve}\\n' > serve.sh", "chmod +x serve.sh"],
-        [[f"printf '#!/bin/bash\\nexec python3 -m http.server {port + 1} --bind 127.0.0.1 --directory www\\n' > serve.sh",
-          f"printf '#!/bin/bash\\nexec python3 -m http.server {port} --bind 127.0.0.1\\n' > serve.sh",
-          f"printf '#!/bin/bash\\n{serve} &\\n' > serve.sh"],
-         ["chmod 644 serve.sh"]],
+        [
+            [
+                f"printf '#!/bin/bash\\nexec python3 -m http.server {port + 1} --bind 127.0.0.1 --directory "
+                f"www\\n' > serve.sh",
+                f"printf '#!/bin/bash\\nexec python3 -m http.server {port} --bind 127.0.0.1\\n' > serve.sh",
+                f"printf '#!/bin/bash\\n{serve} &\\n' > serve.sh",
+            ],
+            ["chmod 644 serve.sh"],
+        ],
     )
 
 
-FAMILIES = {f.__name__.removesuffix("_edit").removesuffix("_fix"): f for f in (files, text, csv, json_edit, archive, python_fix, sqlite, service)}
+FAMILIES = {
+    f.__name__.removesuffix("_edit").removesuffix("_fix"): f
+    for f in (files, text, csv, json_edit, archive, python_fix, sqlite, service)
+}
 """Family name -> generator: files, text, csv, json, archive, python, sqlite, service."""
 
 
@@ -258,8 +375,10 @@ def write_task(spec: Spec, folder: Path) -> None:
     (folder / "solution" / "solve.sh").write_text("#!/bin/bash\n" + "".join(c + "\n" for c in spec.solution))
     (folder / "solution" / "mistakes.json").write_text(json.dumps(spec.mistakes, indent=1) + "\n")
     (folder / "instruction.md").write_text(spec.instruction + "\n")
-    (folder / "task.toml").write_text(f'version = "1.0"\n\n[metadata]\ncategory = "{spec.family}"\ndifficulty = "{spec.difficulty}"\n\n'
-                                      '[agent]\ntimeout_sec = 120\n\n[verifier]\ntimeout_sec = 30\n')
+    (folder / "task.toml").write_text(
+        f'version = "1.0"\n\n[metadata]\ncategory = "{spec.family}"\ndifficulty = "{spec.difficulty}"\n\n'
+        "[agent]\ntimeout_sec = 120\n\n[verifier]\ntimeout_sec = 30\n"
+    )
 
 
 def _episode(env, task, actions: list[str]) -> bool:
@@ -304,7 +423,9 @@ def validator_gate(env, task) -> str:
     return "flaky" if verdicts[0] != verdicts[1] else ""
 
 
-def teacher_plan(solution: list[str], mistakes: list[list[str]], rng: random.Random, p_err: float = 0.3, p_fix: float = 0.5) -> list[str]:
+def teacher_plan(
+    solution: list[str], mistakes: list[list[str]], rng: random.Random, p_err: float = 0.3, p_fix: float = 0.5
+) -> list[str]:
     """The noisy scripted teacher's commands for one rollout: each oracle command, or with probability
     `p_err` one of its mistakes in its place, after which with probability `p_fix` the teacher looks
     (`ls -la`) and runs the right command; then `submit`, always (a teacher that believes it is done)."""

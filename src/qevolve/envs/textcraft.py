@@ -105,7 +105,9 @@ def listed_recipes(goal: str, rng: random.Random) -> list:
             for i in r.input_items:
                 uses.setdefault(i.item_tag.name, {})[r.recipe_str] = r
     others = {text: r for name in seen for text, r in uses.get(name, {}).items() if text not in needed}
-    listed = list(needed.values()) + [others[text] for text in rng.sample(sorted(others), min(len(others), MAX_DISTRACTORS))]
+    listed = list(needed.values()) + [
+        others[text] for text in rng.sample(sorted(others), min(len(others), MAX_DISTRACTORS))
+    ]
     rng.shuffle(listed)
     return listed
 
@@ -129,7 +131,9 @@ def _inputs(recipe, inventory: Counter) -> list[tuple[str, int]]:
 def _craft(recipe, inventory: Counter) -> str:
     """The command that makes `recipe` from what is held (tagged ingredients named by their member)."""
     out = recipe.output_item
-    return f"craft {out.count} {_name(out.item_tag.name)} using " + ", ".join(f"{c} {_name(x)}" for x, c in _inputs(recipe, inventory))
+    return f"craft {out.count} {_name(out.item_tag.name)} using " + ", ".join(
+        f"{c} {_name(x)}" for x, c in _inputs(recipe, inventory)
+    )
 
 
 def _is_base(item: str) -> bool:
@@ -162,7 +166,9 @@ def plan(goal: str) -> list[str]:
                 actions.append(f"get {count} {_name(name)}")
                 inventory[name] += count
             return
-        recipe = min(tree.itemid_recipes[name], key=lambda r: max(tree.get_min_depth(i.item_tag.name) for i in r.input_items))
+        recipe = min(
+            tree.itemid_recipes[name], key=lambda r: max(tree.get_min_depth(i.item_tag.name) for i in r.input_items)
+        )
         while inventory[name] < count:
             for _ in range(len(recipe.input_items) + 1):  # making one input can use up another (sticks eat planks)
                 missing = [(x, c) for x, c in _inputs(recipe, inventory) if inventory[x] < c]
@@ -204,16 +210,25 @@ class TextCraftEnv:
         self._env.goal = task.id
         self._plan, self._t = [], 0
         self._recipes = listed_recipes(task.id, random.Random(task.id))
-        return Observation(instruction=f"craft {_name(task.id)}.", text="Crafting commands:\n" + "\n".join(r.recipe_str for r in self._recipes),
-                           admissible=admissible_actions(self._recipes, Counter()))
+        return Observation(
+            instruction=f"craft {_name(task.id)}.",
+            text="Crafting commands:\n" + "\n".join(r.recipe_str for r in self._recipes),
+            admissible=admissible_actions(self._recipes, Counter()),
+        )
 
     def step(self, action: str) -> Step:
         with contextlib.redirect_stdout(io.StringIO()):  # the package prints recipe mismatches
             obs, reward, terminated, _, _ = self._env.step(action)
         self._t += 1
         won = bool(terminated and reward > 0)
-        return Step(observation=obs, reward=float(reward), done=won, won=won, valid=not obs.startswith(REJECTED_PREFIXES),
-                    admissible=admissible_actions(self._recipes, Counter(self._env.inventory)))
+        return Step(
+            observation=obs,
+            reward=float(reward),
+            done=won,
+            won=won,
+            valid=not obs.startswith(REJECTED_PREFIXES),
+            admissible=admissible_actions(self._recipes, Counter(self._env.inventory)),
+        )
 
     def expert_action(self) -> str | None:
         if not self._plan and self._t == 0:

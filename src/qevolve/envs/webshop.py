@@ -50,20 +50,27 @@ mustard natural navy nude olive orange peach pewter pink plum purple rainbow red
 silver skull slate steel stone stonewash sunflower tan taupe teal tiger turquoise violet walnut wheat white wine
 yellow""".split()
 # Words that are not product types, for the title match (WebShop parses nouns with spaCy, see `_type_words`)
-_NOT_TYPE = set("""a an and the for with of in on to by from at or as is are be this that these those it its your you our
+_NOT_TYPE = set(
+    """a an and the for with of in on to by from at or as is are be this that these those it its your you our
 new pack set size color inch inches ounce ounces oz count pcs piece pieces men women mens womens kids unisex large small
-medium x xl xxl s m l ft cm mm ml lb lbs""".split())
+medium x xl xxl s m l ft cm mm ml lb lbs""".split()
+)
 
 
 class WebShopDataError(UserError, ValueError):
-    hint = "docs/environments.md says where WebShop's data comes from; `qevolve webshop-data <folder>` writes a synthetic catalogue"
+    hint = (
+        "docs/environments.md says where WebShop's data comes from; `qevolve webshop-data <folder>` writes a "
+        "synthetic catalogue"
+    )
 
 
 def data_dir(configured: str | Path | None = None) -> Path:
     folder = Path(configured or os.environ.get("WEBSHOP_DATA") or "")
     if not str(folder) or str(folder) == ".":
-        raise WebShopDataError("WebShop data folder not set: set env.data_dir or WEBSHOP_DATA to the folder with "
-                               f"{', '.join(FILES)} (`qevolve webshop-data <folder>` writes a synthetic one)")
+        raise WebShopDataError(
+            "WebShop data folder not set: set env.data_dir or WEBSHOP_DATA to the folder with "
+            f"{', '.join(FILES)} (`qevolve webshop-data <folder>` writes a synthetic one)"
+        )
     missing = [f for f in FILES if not (folder / f).is_file()]
     if missing:
         raise WebShopDataError(f"{folder}: missing {', '.join(missing)}")
@@ -82,7 +89,9 @@ def _field(record: dict, key: str, kind, path: Path, where: str):
         raise WebShopDataError(f"{path}: {where}: missing field {key!r}")
     value = record[key]
     if not isinstance(value, kind):
-        raise WebShopDataError(f"{path}: {where}: field {key!r} is {type(value).__name__}; expected {getattr(kind, '__name__', kind)}")
+        raise WebShopDataError(
+            f"{path}: {where}: field {key!r} is {type(value).__name__}; expected {getattr(kind, '__name__', kind)}"
+        )
     return value
 
 
@@ -117,7 +126,9 @@ def _parse_pricing(raw, path: Path, where: str) -> list[float]:
     if not raw:
         return [100.0]
     if not isinstance(raw, str):
-        raise WebShopDataError(f"{path}: {where}: field 'pricing' is {type(raw).__name__}; expected a string like '$12.99'")
+        raise WebShopDataError(
+            f"{path}: {where}: field 'pricing' is {type(raw).__name__}; expected a string like '$12.99'"
+        )
     prices = [float(re.sub(r"[^\d.]", "", p)) for p in raw.split("$")[1:] if re.sub(r"[^\d.]", "", p)]
     return prices[:2] or [100.0]
 
@@ -143,16 +154,26 @@ def load_catalogue(folder: str) -> Catalogue:
         options = {}
         for name, values in (p.get("customization_options") or {}).items():
             if values:
-                options[name.lower()] = [str(_field(v, "value", str, items_path, f"{where} option {name!r}")).strip().replace("/", " | ").lower()
-                                         for v in values]
+                options[name.lower()] = [
+                    str(_field(v, "value", str, items_path, f"{where} option {name!r}"))
+                    .strip()
+                    .replace("/", " | ")
+                    .lower()
+                    for v in values
+                ]
         pricing = _parse_pricing(p.get("pricing"), items_path, where)
         price = rng.uniform(*pricing[:2]) if len(pricing) > 1 else pricing[0]
         products[asin] = Product(
-            asin=asin, title=_field(p, "name", str, items_path, where), category=_field(p, "category", str, items_path, where),
+            asin=asin,
+            title=_field(p, "name", str, items_path, where),
+            category=_field(p, "category", str, items_path, where),
             query=_field(p, "query", str, items_path, where).lower().strip(),
-            product_category=p.get("product_category") or "", description=p.get("full_description") or "",
+            product_category=p.get("product_category") or "",
+            description=p.get("full_description") or "",
             bullets=[b.strip() for b in (p.get("small_description") or "").strip().split("\n") if b.strip()],
-            pricing=pricing, price=price, options=options,
+            pricing=pricing,
+            price=price,
+            options=options,
             attributes=(attrs.get(asin) or {}).get("attributes") or ["DUMMY_ATTR"],
         )
     goals = []
@@ -168,13 +189,19 @@ def load_catalogue(folder: str) -> Catalogue:
                 price_text = f", and price lower than {upper:.2f} dollars"
             else:
                 upper, price_text = 1_000_000.0, ""
-            goals.append({
-                "asin": asin, "category": product.category, "query": product.query, "name": product.title,
-                "product_category": product.product_category,
-                "instruction_text": _field(ins, "instruction", str, human_path, where).strip(".") + price_text,
-                "attributes": attributes, "price_upper": upper,
-                "goal_options": _field(ins, "instruction_options", list, human_path, where),
-            })
+            goals.append(
+                {
+                    "asin": asin,
+                    "category": product.category,
+                    "query": product.query,
+                    "name": product.title,
+                    "product_category": product.product_category,
+                    "instruction_text": _field(ins, "instruction", str, human_path, where).strip(".") + price_text,
+                    "attributes": attributes,
+                    "price_upper": upper,
+                    "goal_options": _field(ins, "instruction_options", list, human_path, where),
+                }
+            )
     rng.shuffle(goals)
     return Catalogue(products, goals, folder)
 
@@ -185,8 +212,10 @@ def _index(folder: str):
 
     catalogue = load_catalogue(folder)
     asins = list(catalogue.products)
-    docs = [" ".join([p.title, p.description, " ".join(p.bullets), " ".join(v for vs in p.options.values() for v in vs)])
-            for p in catalogue.products.values()]
+    docs = [
+        " ".join([p.title, p.description, " ".join(p.bullets), " ".join(v for vs in p.options.values() for v in vs)])
+        for p in catalogue.products.values()
+    ]
     retriever = bm25s.BM25()
     retriever.index(bm25s.tokenize(docs, stopwords="en", return_ids=False, show_progress=False), show_progress=False)
     return retriever, asins
@@ -213,12 +242,15 @@ def list_tasks(folder: str, split: str) -> list[Task]:
     indices = read_split_file(path)
     too_big = [i for i in indices if not isinstance(i, int) or not 0 <= i < len(catalogue.goals)]
     if too_big:
-        raise WebShopDataError(f"{path}: goal indices {too_big[:3]}... are outside the {len(catalogue.goals)} goals of "
-                               f"{catalogue.folder}; the standard splits index the goals of the official files")
+        raise WebShopDataError(
+            f"{path}: goal indices {too_big[:3]}... are outside the {len(catalogue.goals)} goals of "
+            f"{catalogue.folder}; the standard splits index the goals of the official files"
+        )
     return [Task(id=str(i), split=split, type=catalogue.goals[i]["category"]) for i in indices]
 
 
 # ---- the official reward (WebShop's web_agent_site/engine/goal.py) ----
+
 
 def _type_words(title: str) -> set[str]:
     """The product-type words of a title. WebShop keeps spaCy's noun tags; its English model cannot be
@@ -237,7 +269,13 @@ def reward(product: Product, goal: dict, options: dict[str, str]) -> float:
     from rapidfuzz import fuzz
 
     # product type: same search query, shared category path, or title words
-    category_match = len({c.strip() for c in product.product_category.split("›")} & {c.strip() for c in goal["product_category"].split("›")}) >= 2
+    category_match = (
+        len(
+            {c.strip() for c in product.product_category.split("›")}
+            & {c.strip() for c in goal["product_category"].split("›")}
+        )
+        >= 2
+    )
     desired = _type_words(goal["name"])
     title_score = len(_type_words(product.title) & desired) / len(desired) if desired else 0.2
     r_type = 1.0 if (product.query == goal["query"] or category_match or title_score > 0.2) else 0.5
@@ -247,7 +285,9 @@ def reward(product: Product, goal: dict, options: dict[str, str]) -> float:
         r_type = 0.0
     # attributes: fuzzy in the product's attribute list, or verbatim in its text
     text = " ".join([product.title, " ".join(product.bullets), product.description]).lower()
-    attrs = sum(any(fuzz.token_set_ratio(p, g) > 85 for p in product.attributes) or g in text for g in goal["attributes"])
+    attrs = sum(
+        any(fuzz.token_set_ratio(p, g) > 85 for p in product.attributes) or g in text for g in goal["attributes"]
+    )
     chosen = [_normalize_color(o) for o in options.values()]
     opts = sum(any(fuzz.token_set_ratio(p, _normalize_color(g)) > 85 for p in chosen) for g in goal["goal_options"])
     price_ok = product.price <= goal["price_upper"]
@@ -287,7 +327,9 @@ class WebShopEnv:
         self._results: list[str] = []
         self._chosen: dict[str, str] = {}
         self._expert_pages = 0
-        return Observation(instruction=self._goal["instruction_text"], text=self._render(), admissible=self._admissible())
+        return Observation(
+            instruction=self._goal["instruction_text"], text=self._render(), admissible=self._admissible()
+        )
 
     # pages: ("search",), ("results", page), ("item", asin), ("sub", asin, name)
     def _buttons(self) -> list[str]:
@@ -295,11 +337,20 @@ class WebShopEnv:
         if kind == "results":
             page = self._page[1]
             more = (page + 1) * PAGE_SIZE < len(self._results)
-            return (["back to search"] + (["< prev"] if page else []) + (["next >"] if more else [])
-                    + [a.lower() for a in self._results[page * PAGE_SIZE:(page + 1) * PAGE_SIZE]])
+            return (
+                ["back to search"]
+                + (["< prev"] if page else [])
+                + (["next >"] if more else [])
+                + [a.lower() for a in self._results[page * PAGE_SIZE : (page + 1) * PAGE_SIZE]]
+            )
         if kind == "item":
             product = load_catalogue(self.folder).products[self._page[1]]
-            return ["back to search", "< prev"] + [v for vs in product.options.values() for v in vs] + list(SUB_PAGES) + ["buy now"]
+            return (
+                ["back to search", "< prev"]
+                + [v for vs in product.options.values() for v in vs]
+                + list(SUB_PAGES)
+                + ["buy now"]
+            )
         if kind == "sub":
             return ["back to search", "< prev"]
         return []
@@ -318,17 +369,29 @@ class WebShopEnv:
             page = self._page[1]
             parts = ["Back to Search", f"Page {page + 1} (Total results: {len(self._results)})"]
             parts += (["< Prev"] if page else []) + (["Next >"] if (page + 1) * PAGE_SIZE < len(self._results) else [])
-            for asin in self._results[page * PAGE_SIZE:(page + 1) * PAGE_SIZE]:
+            for asin in self._results[page * PAGE_SIZE : (page + 1) * PAGE_SIZE]:
                 parts += [asin, products[asin].title, products[asin].price_tag]
             return _join(parts)
         product = products[self._page[1]]
         if kind == "sub":
-            body = {"description": product.description, "features": "\n".join(product.bullets), "reviews": "No reviews."}[self._page[2]]
+            body = {
+                "description": product.description,
+                "features": "\n".join(product.bullets),
+                "reviews": "No reviews.",
+            }[self._page[2]]
             return _join(["Back to Search", "< Prev", body])
         parts = ["Back to Search", "< Prev"]
         for name, values in product.options.items():
             parts += [name] + [f"[{v}]" if self._chosen.get(name) == v else v for v in values]
-        parts += [product.title, f"Price: {product.price_tag}", f"Rating: {product.rating}", "Description", "Features", "Reviews", "Buy Now"]
+        parts += [
+            product.title,
+            f"Price: {product.price_tag}",
+            f"Rating: {product.rating}",
+            "Description",
+            "Features",
+            "Reviews",
+            "Buy Now",
+        ]
         return _join(parts)
 
     def step(self, action: str) -> Step:
@@ -344,8 +407,14 @@ class WebShopEnv:
             if arg == "buy now":
                 product = load_catalogue(self.folder).products[self._page[1]]
                 r = reward(product, self._goal, self._chosen)
-                return Step(observation=f"Thank you for shopping with us! Your score: {r:.2f}", reward=r, done=True, won=r >= 1.0,
-                            valid=True, admissible=[])
+                return Step(
+                    observation=f"Thank you for shopping with us! Your score: {r:.2f}",
+                    reward=r,
+                    done=True,
+                    won=r >= 1.0,
+                    valid=True,
+                    admissible=[],
+                )
             if arg == "back to search":
                 self._page, self._history, self._results = ("search",), [], []
             elif arg == "< prev":
@@ -364,8 +433,12 @@ class WebShopEnv:
                 name = next(n for n, vs in product.options.items() if arg in vs)
                 self._chosen[name] = arg
         else:
-            return Step(observation=INVALID, reward=0.0, done=False, won=False, valid=False, admissible=self._admissible())
-        return Step(observation=self._render(), reward=0.0, done=False, won=False, valid=True, admissible=self._admissible())
+            return Step(
+                observation=INVALID, reward=0.0, done=False, won=False, valid=False, admissible=self._admissible()
+            )
+        return Step(
+            observation=self._render(), reward=0.0, done=False, won=False, valid=True, admissible=self._admissible()
+        )
 
     def expert_action(self) -> str | None:
         """Search with the instruction, page through the results to the goal product (or search its name
@@ -379,7 +452,7 @@ class WebShopEnv:
         if kind == "sub":
             return "click[< prev]"
         if kind == "results":
-            on_page = [a.lower() for a in self._results[self._page[1] * PAGE_SIZE:(self._page[1] + 1) * PAGE_SIZE]]
+            on_page = [a.lower() for a in self._results[self._page[1] * PAGE_SIZE : (self._page[1] + 1) * PAGE_SIZE]]
             if goal["asin"].lower() in on_page:
                 return f"click[{goal['asin'].lower()}]"
             if "next >" in self._buttons():

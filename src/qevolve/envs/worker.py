@@ -11,9 +11,9 @@ environments at once.
 from __future__ import annotations
 
 import multiprocessing as mp
-from abc import ABC, abstractmethod
 import os
 import random
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 from qevolve.envs.base import Observation, Step, Task
@@ -40,7 +40,10 @@ def _serve(conn, cfg: EnvConfig, expert: str | None) -> None:
             conn.send((True, None))
             break
         try:
-            reply = (True, getattr(env, "seed_random", random.seed)(*args) if op == "seed_random" else getattr(env, op)(*args))
+            reply = (
+                True,
+                getattr(env, "seed_random", random.seed)(*args) if op == "seed_random" else getattr(env, op)(*args),
+            )
         except Exception as err:  # noqa: BLE001 - the parent decides what an environment error means
             reply = (False, RuntimeError(f"{type(err).__name__}: {err}"))
         try:
@@ -102,13 +105,17 @@ class EnvWorker(RemoteEnv):
 
     def _call(self, op: str, *args):
         if not self.process.is_alive():
-            raise EnvWorkerError(f"environment worker {self.process.pid} is not running (exit code {self.process.exitcode})")
+            raise EnvWorkerError(
+                f"environment worker {self.process.pid} is not running (exit code {self.process.exitcode})"
+            )
         timeout = self._next_timeout()
         try:
             self._conn.send((op, args))
             if not self._conn.poll(timeout):
                 self.kill()
-                raise EnvWorkerError(f"environment worker {self.process.pid}: {op} took longer than {timeout:g} s; killed it")
+                raise EnvWorkerError(
+                    f"environment worker {self.process.pid}: {op} took longer than {timeout:g} s; killed it"
+                )
             ok, value = self._conn.recv()
         except (EOFError, BrokenPipeError, ConnectionResetError):
             self.process.join(1)

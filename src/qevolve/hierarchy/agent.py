@@ -11,7 +11,7 @@ each role read and wrote per episode in `role_tokens[trajectory_id]`.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -30,7 +30,9 @@ class RoleStop:
         self.tok, self.end = tokenizer, end
 
     def __call__(self, tokens: list[int]) -> bool:
-        return tokens[-len(self.end):] == self.end or "\n" in self.tok.decode(tokens, skip_special_tokens=True).lstrip()
+        return (
+            tokens[-len(self.end) :] == self.end or "\n" in self.tok.decode(tokens, skip_special_tokens=True).lstrip()
+        )
 
 
 class HierarchicalAgent:
@@ -39,14 +41,27 @@ class HierarchicalAgent:
 
     With `prompts.history` the low role also reads the subtask's earlier (observation, action) turns.
 
-    `mode` is the low role's (`admissible`: every valid action is scored twice, ending the subtask or
-    not; `free`: generated). The high role chooses among `subtasks` when `high_mode` is `admissible`, among
-    the subtasks the observation's valid actions name (`observed_subtasks`; `subtasks` where it names none)
-    when it is `observed`, else writes one; the progress role always writes. `max_subtask_steps` ends a subtask the low role does not."""
+    `mode` is the low role's (`admissible`: every valid action is scored twice, ending the subtask or not; `free`:
+    generated). The high role chooses among `subtasks` when `high_mode` is `admissible`, among the subtasks the
+    observation's valid actions name (`observed_subtasks`; `subtasks` where it names none) when it is `observed`, else
+    writes one; the progress role always writes. `max_subtask_steps` ends a subtask the low role does not."""
 
-    def __init__(self, models: dict, tokenizer, builder: PromptBuilder, prompts: RolePrompts, *, mode: str, high_mode: str,
-                 subtasks: list[str], temperature: float, max_new_tokens: int, progress_tokens: int, max_subtask_steps: int,
-                 activate: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        models: dict,
+        tokenizer,
+        builder: PromptBuilder,
+        prompts: RolePrompts,
+        *,
+        mode: str,
+        high_mode: str,
+        subtasks: list[str],
+        temperature: float,
+        max_new_tokens: int,
+        progress_tokens: int,
+        max_subtask_steps: int,
+        activate: Callable[[str], None] | None = None,
+    ):
         self.tok, self.builder, self.prompts = tokenizer, builder, prompts
         self.mode, self.high_mode, self.subtasks = mode, high_mode, subtasks
         self.temperature, self.max_new_tokens, self.progress_tokens = temperature, max_new_tokens, progress_tokens
@@ -73,13 +88,27 @@ class HierarchicalAgent:
             self.activate(role)
         return self.backends[role]
 
-    def _write(self, role: str, episodes: list, prompts: list[list[int]], max_new_tokens: int) -> list[tuple[str, float, int]]:
+    def _write(
+        self, role: str, episodes: list, prompts: list[list[int]], max_new_tokens: int
+    ) -> list[tuple[str, float, int]]:
         seeds = None if self._greedy else seeds_from([e.generator for e in episodes])
-        out = self._backend(role).generate([e.state["slot"] for e in episodes], prompts, max_new_tokens=max_new_tokens, stop=self._stop,
-                                           greedy=self._greedy, temperature=self.temperature, seeds=seeds)
-        return [((self.tok.decode(t, skip_special_tokens=True).strip().splitlines() or [""])[0].strip(), lp, len(t)) for t, lp in out]
+        out = self._backend(role).generate(
+            [e.state["slot"] for e in episodes],
+            prompts,
+            max_new_tokens=max_new_tokens,
+            stop=self._stop,
+            greedy=self._greedy,
+            temperature=self.temperature,
+            seeds=seeds,
+        )
+        return [
+            ((self.tok.decode(t, skip_special_tokens=True).strip().splitlines() or [""])[0].strip(), lp, len(t))
+            for t, lp in out
+        ]
 
-    def _choose(self, role: str, episodes: list, prompts: list[list[int]], candidates: list[list[str]]) -> list[tuple[str, float, int]]:
+    def _choose(
+        self, role: str, episodes: list, prompts: list[list[int]], candidates: list[list[str]]
+    ) -> list[tuple[str, float, int]]:
         ids = [[self.builder.action_ids(c) for c in cands] for cands in candidates]
         out = []
         scored = self._backend(role).score([e.state["slot"] for e in episodes], prompts, ids)
@@ -99,7 +128,10 @@ class HierarchicalAgent:
         planning = [(s, e) for s, e in zip(slots, episodes) if e.state["subtask"] is None]
         high_cost = {}
         if planning:
-            texts = [self.prompts.high(e.traj.instruction, e.state["done"], e.state["last"], e.observations[-1]) for _, e in planning]
+            texts = [
+                self.prompts.high(e.traj.instruction, e.state["done"], e.state["last"], e.observations[-1])
+                for _, e in planning
+            ]
             prompts = [self._prompt(t) for t in texts]
             if self.high_mode == "admissible":
                 chosen = self._choose("high", [e for _, e in planning], prompts, [self.subtasks] * len(planning))
@@ -112,10 +144,19 @@ class HierarchicalAgent:
                 e.state.update(subtask=subtask or NONE, progress=NONE, steps=0, index=e.state["index"] + 1, turns=[])
                 high_cost[s] = (len(prompt), n)
                 self._count(e.traj.trajectory_id, "high", len(prompt), n)
-        prompts = [self._prompt(self.prompts.low(e.state["subtask"], e.observations[-1], e.state["progress"], e.state["turns"]))
-                   for e in episodes]
+        prompts = [
+            self._prompt(
+                self.prompts.low(e.state["subtask"], e.observations[-1], e.state["progress"], e.state["turns"])
+            )
+            for e in episodes
+        ]
         if self.mode == "admissible":
-            chosen = self._choose("low", episodes, prompts, [[low_output(a, f) for a in e.admissible for f in (False, True)] for e in episodes])
+            chosen = self._choose(
+                "low",
+                episodes,
+                prompts,
+                [[low_output(a, f) for a in e.admissible for f in (False, True)] for e in episodes],
+            )
         else:
             chosen = self._write("low", episodes, prompts, self.max_new_tokens)
         decisions = []
@@ -132,8 +173,12 @@ class HierarchicalAgent:
         """After the environments stepped: the new local progress of each episode, then whether its subtask ended."""
         steps = [e.traj.steps[-1] for e in episodes]
         if self.prompts.progress and episodes:
-            texts = [self.prompts.progress_state(e.state["subtask"], e.state["progress"], s.action or s.output, s.next_observation)
-                     for e, s in zip(episodes, steps)]
+            texts = [
+                self.prompts.progress_state(
+                    e.state["subtask"], e.state["progress"], s.action or s.output, s.next_observation
+                )
+                for e, s in zip(episodes, steps)
+            ]
             prompts = [self._prompt(t) for t in texts]
             written = self._write("progress", episodes, prompts, self.progress_tokens)
         else:

@@ -20,8 +20,8 @@ Progress follows the paper's modes: `<status> || [Checked: a, b]` (search), `[Ro
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from qevolve.data.store import Trajectory
 from qevolve.errors import UserError
@@ -73,7 +73,11 @@ def _alfworld_progress(subtask: str, actions: list[str]) -> str:
     last = actions[-1]
     if _ALF_EFFECT.match(last):
         return f"done: {last}"
-    places = list(dict.fromkeys(a.removeprefix("go to ").removeprefix("open ") for a in actions if a.startswith(("go to ", "open "))))
+    places = list(
+        dict.fromkeys(
+            a.removeprefix("go to ").removeprefix("open ") for a in actions if a.startswith(("go to ", "open "))
+        )
+    )
     if subtask.startswith("find and take"):
         status = f"searching for the {subtask.removeprefix('find and take the ')}"
         return f"{status} || [Checked: {', '.join(places)}]" if places else status
@@ -81,6 +85,7 @@ def _alfworld_progress(subtask: str, actions: list[str]) -> str:
 
 
 # -- TextCraft ------------------------------------------------------------------------------------
+
 
 def _textcraft_subtask(action: str) -> str:
     return action.split(" using ")[0]  # "craft 4 oak planks"
@@ -95,8 +100,12 @@ def _textcraft_progress(subtask: str, actions: list[str]) -> str:
 
 # -- WebShop --------------------------------------------------------------------------------------
 
-_WEBSHOP_PHASES = {"search": "search for the product", "choose": "choose a matching product",
-                   "options": "select the options", "buy": "buy the product"}
+_WEBSHOP_PHASES = {
+    "search": "search for the product",
+    "choose": "choose a matching product",
+    "options": "select the options",
+    "buy": "buy the product",
+}
 
 
 _WEBSHOP_NAV = ("click[< prev]", "click[next >]")
@@ -148,6 +157,7 @@ def _scienceworld_progress(subtask: str, actions: list[str]) -> str:
 
 # -- segmentation ---------------------------------------------------------------------------------
 
+
 def _segments(env: str, actions: list[str]) -> list[tuple[int, int, str, bool]]:
     """(first step, last step + 1, subtask, whether its last step finishes it) covering `actions` in order."""
     cuts: list[tuple[int, str]] = []  # (step that ends a subtask, its name)
@@ -171,13 +181,22 @@ def _segments(env: str, actions: list[str]) -> list[tuple[int, int, str, bool]]:
     for end, name in cuts:
         segments.append((start, end + 1, name, True))
         start = end + 1
-    if start < len(actions):  # steps after the last cut (an episode cut off mid-subtask) join the last subtask, unfinished
-        segments = segments[:-1] + [(segments[-1][0], len(actions), segments[-1][2], False)] if segments else [(0, len(actions), actions[-1], False)]
+    if start < len(
+        actions
+    ):  # steps after the last cut (an episode cut off mid-subtask) join the last subtask, unfinished
+        segments = (
+            segments[:-1] + [(segments[-1][0], len(actions), segments[-1][2], False)]
+            if segments
+            else [(0, len(actions), actions[-1], False)]
+        )
     return segments
 
 
 PROGRESS: dict[str, Callable[[str, list[str]], str]] = {
-    "alfworld": _alfworld_progress, "textcraft": _textcraft_progress, "webshop": _webshop_progress, "scienceworld": _scienceworld_progress,
+    "alfworld": _alfworld_progress,
+    "textcraft": _textcraft_progress,
+    "webshop": _webshop_progress,
+    "scienceworld": _scienceworld_progress,
 }
 
 
@@ -196,7 +215,9 @@ def rule_labels(env: str, traj: Trajectory) -> list[Label]:
     labels = []
     for index, (start, end, subtask, finished) in enumerate(_segments(env, actions)):
         for t in range(start, end):
-            labels.append(Label(index, subtask, PROGRESS[env](subtask, actions[start : t + 1]), finished and t == end - 1))
+            labels.append(
+                Label(index, subtask, PROGRESS[env](subtask, actions[start : t + 1]), finished and t == end - 1)
+            )
     return labels
 
 
@@ -214,14 +235,20 @@ def check_subtasks(env: str, traj: Trajectory, labels: list[Label], source: str)
         m = _TEXTCRAFT_SUBTASK.match(subtask.strip().lower())
         if not m or m.group(1) not in item_names():
             what = f"names the unknown item {m.group(1)!r}" if m else "is not `craft [N] <item>`"
-            raise AnnotatorError(f"{source}: the subtask {subtask!r} of trajectory {traj.trajectory_id} {what}; a TextCraft subtask "
-                                 "crafts one item the recipes know")
+            raise AnnotatorError(
+                f"{source}: the subtask {subtask!r} of trajectory {traj.trajectory_id} {what}; a TextCraft subtask "
+                "crafts one item the recipes know"
+            )
 
 
 # -- the LLM annotator ----------------------------------------------------------------------------
 
+
 class AnnotatorError(UserError, RuntimeError):
-    hint = "<method>.llm_url (step_hrl.llm_url, multi2.llm_url) must be the base URL of an OpenAI-compatible server (…/v1) that answers /chat/completions"
+    hint = (
+        "<method>.llm_url (step_hrl.llm_url, multi2.llm_url) must be the base URL of an OpenAI-compatible "
+        "server (…/v1) that answers /chat/completions"
+    )
 
 
 SEGMENT_PROMPT = (
@@ -234,7 +261,9 @@ SEGMENT_PROMPT = (
 )
 
 
-def llm_labels(url: str, model: str, traj: Trajectory, timeout: float = 60.0, key: str = "step_hrl.llm_url") -> list[Label]:
+def llm_labels(
+    url: str, model: str, traj: Trajectory, timeout: float = 60.0, key: str = "step_hrl.llm_url"
+) -> list[Label]:
     """Labels from a chat model behind an OpenAI-compatible `url` (`POST {url}/chat/completions`). The
     answer must cover every step exactly once; anything else is an `AnnotatorError` naming the trajectory
     and the params key `key` that set the URL."""
@@ -250,9 +279,13 @@ def llm_labels(url: str, model: str, traj: Trajectory, timeout: float = 60.0, ke
                 raise ValueError(f"subtask {index}: {n} steps but {len(progress)} progress texts")
             labels += [Label(index, str(part["subtask"]), p, i == n - 1) for i, p in enumerate(progress)]
     except (ValueError, KeyError, TypeError) as err:
-        raise AnnotatorError(f"{key} = {url!r}: the annotation of trajectory {traj.trajectory_id} is not the "
-                             f"JSON asked for ({err}): {content[:300]!r}") from None
+        raise AnnotatorError(
+            f"{key} = {url!r}: the annotation of trajectory {traj.trajectory_id} is not the "
+            f"JSON asked for ({err}): {content[:300]!r}"
+        ) from None
     if len(labels) != len(traj.steps):
-        raise AnnotatorError(f"{key} = {url!r}: the annotation of trajectory {traj.trajectory_id} covers "
-                             f"{len(labels)} steps, the trajectory has {len(traj.steps)}")
+        raise AnnotatorError(
+            f"{key} = {url!r}: the annotation of trajectory {traj.trajectory_id} covers "
+            f"{len(labels)} steps, the trajectory has {len(traj.steps)}"
+        )
     return labels

@@ -104,12 +104,18 @@ def check_hierarchy(params, name: str) -> None:
     """Section `name`'s own rules, and its rules across sections when its method is the one running."""
     cfg = getattr(params, name)
     if cfg.annotator == "llm" and not cfg.llm_url.startswith(("http://", "https://")):
-        raise ValueError(f"{name}.llm_url: annotator `llm` needs the http(s) URL of an OpenAI-compatible server, got {cfg.llm_url!r}")
+        raise ValueError(
+            f"{name}.llm_url: annotator `llm` needs the http(s) URL of an OpenAI-compatible server, got {cfg.llm_url!r}"
+        )
     if params.method != name:
         return
     if cfg.adapters == "separate" and params.train.shard:
-        raise ValueError(f"{name}.adapters: `separate` runs each role's outputs through its own adapter, a different number of "
-                         "passes per process, which sharded training (train.shard) cannot do; use `shared` or train.shard: false")
+        raise ValueError(
+            f"{name}.adapters: `separate` runs each role's outputs through its own adapter, a different number of "
+            "passes per process, which sharded training (train.shard) cannot do; use `shared` or train.shard: false"
+        )
     if params.policy.backend != "hf" or params.policy.replicas:
-        raise ValueError(f"policy.backend / policy.replicas: {name}'s hierarchical agent plays its roles in the stage's "
-                         "process on the HF backend; use policy.backend: hf and policy.replicas: 0")
+        raise ValueError(
+            f"policy.backend / policy.replicas: {name}'s hierarchical agent plays its roles in the stage's "
+            "process on the HF backend; use policy.backend: hf and policy.replicas: 0"
+        )

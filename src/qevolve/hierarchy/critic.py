@@ -15,9 +15,8 @@ from qevolve.data.atomic import atomic_dir
 from qevolve.errors import artifact
 from qevolve.hierarchy.roles import ROLES, encode
 from qevolve.models.base import causal_lm
-from qevolve.models.device import model_device
+from qevolve.models.device import model_device, pad_ids
 from qevolve.models.policy import load_policy, save_adapters
-from qevolve.models.device import pad_ids
 
 
 class LevelCritic(nn.Module):
@@ -76,9 +75,22 @@ def critic_items(builder, sets: dict[str, list[dict]], action_end: bool = False)
         following = _following(rows) if action_end else {}
         for i, (r, (ids, mask)) in enumerate(zip(rows, encoded)):
             nxt = following.get(i)
-            next_ids = encoded[nxt][0] if nxt is not None else builder.head_ids + builder.user_turn(r["next_state_text"])
+            next_ids = (
+                encoded[nxt][0] if nxt is not None else builder.head_ids + builder.user_turn(r["next_state_text"])
+            )
             state_end = len(ids) - 1 if action_end else mask.index(1) - 1
-            items.append(Item(role, (r["trajectory_id"], role, r["step"]), ids, state_end, next_ids, r["reward"], r["done"], mask.index(1)))
+            items.append(
+                Item(
+                    role,
+                    (r["trajectory_id"], role, r["step"]),
+                    ids,
+                    state_end,
+                    next_ids,
+                    r["reward"],
+                    r["done"],
+                    mask.index(1),
+                )
+            )
     return items
 
 
@@ -113,7 +125,9 @@ def values(critic: LevelCritic, mb: list[Item], pad_id: int) -> dict[str, torch.
     return {k: torch.cat(v) for k, v in out.items()}
 
 
-def advantages_of(critic: LevelCritic, level: str, prompts: list[list[int]], outputs: list[list[int]], pad_id: int) -> torch.Tensor:
+def advantages_of(
+    critic: LevelCritic, level: str, prompts: list[list[int]], outputs: list[list[int]], pad_id: int
+) -> torch.Tensor:
     """A(s, a) = Q(s, a) - V(s) of each (prompt, output) pair at `level`, from one pass over prompt + output."""
     device = model_device(critic)
     ids, attn = pad_ids([p + o for p, o in zip(prompts, outputs)], pad_id, device)
@@ -132,10 +146,15 @@ def save_critic(critic: LevelCritic, folder: Path, adapter: bool = True) -> None
     with atomic_dir(folder) as tmp:
         if adapter:
             save_adapters(critic.lm, tmp)
-        save_file({n: t.detach().contiguous() for n, t in critic.state_dict().items() if not n.startswith("lm.")}, str(tmp / "heads.safetensors"))
+        save_file(
+            {n: t.detach().contiguous() for n, t in critic.state_dict().items() if not n.startswith("lm.")},
+            str(tmp / "heads.safetensors"),
+        )
 
 
-def load_critic(params, base_dir: Path, critic_dir: Path, levels: tuple[str, ...], trainable: bool = False) -> LevelCritic:
+def load_critic(
+    params, base_dir: Path, critic_dir: Path, levels: tuple[str, ...], trainable: bool = False
+) -> LevelCritic:
     """The critic `critic@k` wrote at `critic_dir` (its adapter and heads): frozen with the adapter merged,
     for scoring, or `trainable` to train on."""
     lm, _ = load_policy(base_dir, params.model, adapter=critic_dir, trainable=trainable)

@@ -20,17 +20,18 @@ step and -`rejected_penalty` for a rejected action (STEP-HRL's 1; Multi²'s 0, G
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from qevolve.data.store import Trajectory
-from qevolve.hierarchy.annotators import NONE, Label
 from qevolve.environments import ENVIRONMENTS, REPLY
+from qevolve.hierarchy.annotators import NONE, Label
 
 ROLES = ("high", "low", "progress")
 _INTROS = {
     "high": "Plan the task as a sequence of subtasks. Reply with the next subtask only.",
-    "low": "Carry out the subtask. Reply with the next action and whether it completes the subtask: '<action>; True' or '<action>; False'.",
+    "low": "Carry out the subtask. Reply with the next action and whether it completes the subtask: '<action>; "
+    "True' or '<action>; False'.",
     "progress": "Keep track of the subtask's progress. Reply with the updated local progress in one line.",
 }
 FINISHED, PARTIAL, FAILED = "Task successfully finished.", "Task not fully completed.", "Task failed."
@@ -91,8 +92,15 @@ class RolePrompts:
         return "\n".join(lines + ([f"Local progress: {progress}"] if self.progress else []))
 
     def progress_state(self, subtask: str, previous: str, action: str, observation: str) -> str:
-        return "\n".join([self.intro("progress"), f"Subtask: {subtask}", f"Previous local progress: {previous}",
-                          f"Action: {action}", f"Resulting observation: {self.clip(observation).strip()}"])
+        return "\n".join(
+            [
+                self.intro("progress"),
+                f"Subtask: {subtask}",
+                f"Previous local progress: {previous}",
+                f"Action: {action}",
+                f"Resulting observation: {self.clip(observation).strip()}",
+            ]
+        )
 
 
 def _low_text(output: str, action: str | None, ends: bool) -> str:
@@ -118,8 +126,13 @@ class Transition:
     won: bool
 
 
-def transitions(traj: Trajectory, labels: list[Label], prompts: RolePrompts, compat_rejections: bool = False,
-                rejected_penalty: float = 1.0) -> dict[str, list[Transition]]:
+def transitions(
+    traj: Trajectory,
+    labels: list[Label],
+    prompts: RolePrompts,
+    compat_rejections: bool = False,
+    rejected_penalty: float = 1.0,
+) -> dict[str, list[Transition]]:
     """The high, low and progress transitions of one annotated trajectory (progress: none when
     `prompts.progress` is off). `compat_rejections`: count a rejected action only on ScienceWorld's
     rejection text, as STEP-HRL's public converters do (so never on ALFWorld), instead of every invalid step."""
@@ -128,7 +141,9 @@ def transitions(traj: Trajectory, labels: list[Label], prompts: RolePrompts, com
     steps = traj.steps
     end = FINISHED if traj.won else PARTIAL if traj.reward > 0 else FAILED
     before = [NONE if t == 0 or labels[t - 1].ends else labels[t - 1].progress for t in range(len(steps))]
-    row = dict(trajectory_id=traj.trajectory_id, task_id=traj.task_id, split=traj.split, source=traj.source, won=traj.won)
+    row = dict(
+        trajectory_id=traj.trajectory_id, task_id=traj.task_id, split=traj.split, source=traj.source, won=traj.won
+    )
 
     def rejected(t: int) -> bool:
         return steps[t].next_observation.strip() == SCIENCEWORLD_REJECTED if compat_rejections else not steps[t].valid
@@ -141,6 +156,7 @@ def transitions(traj: Trajectory, labels: list[Label], prompts: RolePrompts, com
 
     def low_state(t: int) -> str:
         return prompts.low(labels[t].subtask, steps[t].observation, before[t], turns(t, t))
+
     done_names: list[str] = []
     high_states = []
     for k, t in enumerate(starts):
@@ -150,11 +166,18 @@ def transitions(traj: Trajectory, labels: list[Label], prompts: RolePrompts, com
     out: dict[str, list[Transition]] = {role: [] for role in ROLES}
     for k, t in enumerate(starts):
         last = (starts[k + 1] if k + 1 < len(starts) else len(steps)) - 1
-        out["high"].append(Transition(
-            **row, subtask_index=labels[t].subtask_index, step=t, state_text=high_states[k], output_text=labels[t].subtask,
-            reward=float(sum(s.reward for s in steps[t : last + 1])), done=steps[last].done,
-            next_state_text=high_states[k + 1] if k + 1 < len(starts) else end,
-        ))
+        out["high"].append(
+            Transition(
+                **row,
+                subtask_index=labels[t].subtask_index,
+                step=t,
+                state_text=high_states[k],
+                output_text=labels[t].subtask,
+                reward=float(sum(s.reward for s in steps[t : last + 1])),
+                done=steps[last].done,
+                next_state_text=high_states[k + 1] if k + 1 < len(starts) else end,
+            )
+        )
     for t, (s, label) in enumerate(zip(steps, labels)):
         reward = 1.0 if label.ends else 0.0 - rejected_penalty if rejected(t) else 0.0
         final = t + 1 == len(steps)
@@ -162,13 +185,40 @@ def transitions(traj: Trajectory, labels: list[Label], prompts: RolePrompts, com
             next_low = prompts.low(label.subtask, s.next_observation, label.progress, turns(t, t + 1))
         else:
             next_low = end if final else low_state(t + 1)
-        out["low"].append(Transition(**row, subtask_index=label.subtask_index, step=t, state_text=low_state(t),
-                                     output_text=_low_text(s.output, s.action, label.ends), reward=reward, done=label.ends,
-                                     next_state_text=next_low))
+        out["low"].append(
+            Transition(
+                **row,
+                subtask_index=label.subtask_index,
+                step=t,
+                state_text=low_state(t),
+                output_text=_low_text(s.output, s.action, label.ends),
+                reward=reward,
+                done=label.ends,
+                next_state_text=next_low,
+            )
+        )
         if prompts.progress:
             state = prompts.progress_state(label.subtask, before[t], s.action or s.output, s.next_observation)
-            nxt = end if final else prompts.progress_state(labels[t + 1].subtask, before[t + 1], steps[t + 1].action or steps[t + 1].output,
-                                                           steps[t + 1].next_observation)
-            out["progress"].append(Transition(**row, subtask_index=label.subtask_index, step=t, state_text=state, output_text=label.progress,
-                                              reward=reward, done=label.ends, next_state_text=nxt))
+            nxt = (
+                end
+                if final
+                else prompts.progress_state(
+                    labels[t + 1].subtask,
+                    before[t + 1],
+                    steps[t + 1].action or steps[t + 1].output,
+                    steps[t + 1].next_observation,
+                )
+            )
+            out["progress"].append(
+                Transition(
+                    **row,
+                    subtask_index=label.subtask_index,
+                    step=t,
+                    state_text=state,
+                    output_text=label.progress,
+                    reward=reward,
+                    done=label.ends,
+                    next_state_text=nxt,
+                )
+            )
     return out

@@ -13,11 +13,11 @@ import pyarrow as pa
 
 from qevolve.data.atomic import atomic_dir
 from qevolve.data.store import read_checked
-from qevolve.hierarchy.transitions import read_transitions
 from qevolve.errors import artifact
 from qevolve.hierarchy.agent import HierarchicalAgent
 from qevolve.hierarchy.config import section
 from qevolve.hierarchy.roles import ROLES, RolePrompts
+from qevolve.hierarchy.transitions import read_transitions
 from qevolve.models.policy import load_policy, save_adapters, use_adapter
 from qevolve.models.prompt import PromptBuilder
 
@@ -25,8 +25,17 @@ COLLECTED = "transitions"
 """The transition store inside a `collect@k` folder (beside `episodes`, its step store)."""
 ADVANTAGES = "advantages.parquet"
 """The file in an `advantage@k` folder: A = Q - V of every transition `critic@k` trained on."""
-ADVANTAGE_SCHEMA = pa.schema([("trajectory_id", pa.string()), ("level", pa.string()), ("step", pa.int32()), ("advantage", pa.float64()),
-                              ("v", pa.float64()), ("q", pa.float64())], metadata={b"qevolve.schema_version": b"1"})
+ADVANTAGE_SCHEMA = pa.schema(
+    [
+        ("trajectory_id", pa.string()),
+        ("level", pa.string()),
+        ("step", pa.int32()),
+        ("advantage", pa.float64()),
+        ("v", pa.float64()),
+        ("q", pa.float64()),
+    ],
+    metadata={b"qevolve.schema_version": b"1"},
+)
 ROLES_FILE = "roles.json"
 """Saved beside a policy's adapter: the environment, whether it keeps progress, whether its low level reads
 the subtask's history, the subtasks its high level chooses among and whether its roles share one adapter,
@@ -35,19 +44,33 @@ so acting uses what training used."""
 
 def role_builder(params, tokenizer) -> PromptBuilder:
     """The chat format around each role's single turn, and the observation clip (`prompt.max_observation_tokens`)."""
-    return PromptBuilder(tokenizer, params.model.context_tokens, max_observation_tokens=params.prompt.max_observation_tokens, intro="")
+    return PromptBuilder(
+        tokenizer, params.model.context_tokens, max_observation_tokens=params.prompt.max_observation_tokens, intro=""
+    )
 
 
-def role_prompts(params, builder: PromptBuilder, progress: bool | None = None, history: bool | None = None) -> RolePrompts:
+def role_prompts(
+    params, builder: PromptBuilder, progress: bool | None = None, history: bool | None = None
+) -> RolePrompts:
     """The roles' prompts for this environment: the method section's `progress` and `history`, unless given
     (acting reads them from the policy's roles file)."""
     cfg = section(params)
-    return RolePrompts(params.env.name, cfg.progress if progress is None else progress, builder.clip,
-                       cfg.history if history is None else history)
+    return RolePrompts(
+        params.env.name,
+        cfg.progress if progress is None else progress,
+        builder.clip,
+        cfg.history if history is None else history,
+    )
 
 
 def write_roles(folder: Path, prompts: RolePrompts, subtasks: list[str], adapters: str) -> None:
-    roles = {"env": prompts.env, "progress": prompts.progress, "history": prompts.history, "subtasks": subtasks, "adapters": adapters}
+    roles = {
+        "env": prompts.env,
+        "progress": prompts.progress,
+        "history": prompts.history,
+        "subtasks": subtasks,
+        "adapters": adapters,
+    }
     (folder / ROLES_FILE).write_text(json.dumps(roles, indent=1) + "\n")
 
 
@@ -66,7 +89,9 @@ def read_roles(policy_dir: Path) -> dict:
         if roles["adapters"] not in ("shared", "separate"):
             raise ValueError(f"adapters is {roles['adapters']!r}, expected 'shared' or 'separate'")
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise artifact(path, f"cannot read the roles the policy was trained with ({type(err).__name__}: {err})") from None
+        raise artifact(
+            path, f"cannot read the roles the policy was trained with ({type(err).__name__}: {err})"
+        ) from None
     return roles
 
 
@@ -103,7 +128,10 @@ def make_agent(params, base_dir: Path, policy_dir: Path, temperature: float) -> 
     ones switched between per role call), acting as its roles file says."""
     roles = read_roles(policy_dir)
     if roles["env"] != params.env.name:
-        raise artifact(Path(policy_dir) / ROLES_FILE, f"the policy was trained on {roles['env']!r}, not env.name {params.env.name!r}")
+        raise artifact(
+            Path(policy_dir) / ROLES_FILE,
+            f"the policy was trained on {roles['env']!r}, not env.name {params.env.name!r}",
+        )
     model, tok, separate = load_roles_policy(params, base_dir, policy_dir)
     return agent_of(params, model, tok, separate, roles, temperature)
 
@@ -114,10 +142,18 @@ def agent_of(params, model, tok, separate: bool, roles: dict, temperature: float
     builder = role_builder(params, tok)
     cfg = section(params)
     return HierarchicalAgent(
-        dict.fromkeys(ROLES, model), tok, builder, role_prompts(params, builder, roles["progress"], roles.get("history", False)),
+        dict.fromkeys(ROLES, model),
+        tok,
+        builder,
+        role_prompts(params, builder, roles["progress"], roles.get("history", False)),
         activate=(lambda role: use_adapter(model, role)) if separate else None,
-        mode=params.policy.action_mode, high_mode=cfg.high_mode, subtasks=roles["subtasks"], temperature=temperature,
-        max_new_tokens=params.policy.max_new_tokens, progress_tokens=cfg.progress_tokens, max_subtask_steps=cfg.max_subtask_steps,
+        mode=params.policy.action_mode,
+        high_mode=cfg.high_mode,
+        subtasks=roles["subtasks"],
+        temperature=temperature,
+        max_new_tokens=params.policy.max_new_tokens,
+        progress_tokens=cfg.progress_tokens,
+        max_subtask_steps=cfg.max_subtask_steps,
     )
 
 
@@ -137,13 +173,21 @@ def outcome_rewards(rows: list[dict]) -> list[dict]:
     last: dict[str, int] = {}
     for r in rows:
         last[r["trajectory_id"]] = max(last.get(r["trajectory_id"], -1), r["step"])
-    return [{**r, "reward": min(r["reward"], 0.0) + float(r["won"] and r["step"] == last[r["trajectory_id"]]),
-             "done": r["step"] == last[r["trajectory_id"]]} for r in rows]
+    return [
+        {
+            **r,
+            "reward": min(r["reward"], 0.0) + float(r["won"] and r["step"] == last[r["trajectory_id"]]),
+            "done": r["step"] == last[r["trajectory_id"]],
+        }
+        for r in rows
+    ]
 
 
 def with_rewards(sets: dict[str, list[dict]], reward: str) -> dict[str, list[dict]]:
     """Transition sets with the low and progress levels' rewards of `<method>.reward` (they are stored as `subgoal`)."""
-    return {role: outcome_rewards(rows) if reward == "outcome" and role != "high" else rows for role, rows in sets.items()}
+    return {
+        role: outcome_rewards(rows) if reward == "outcome" and role != "high" else rows for role, rows in sets.items()
+    }
 
 
 def training_sets(params, data_dir: Path, collected_dir: Path) -> dict[str, list[dict]]:
@@ -151,7 +195,9 @@ def training_sets(params, data_dir: Path, collected_dir: Path) -> dict[str, list
     `<method>.reward`, mixed at `<method>.collected_per_expert`, drawn with `<method>.critic.seed` (no collected ones
     with `<method>.collected: false`): what `critic@k` and `policy@k` train on."""
     cfg = section(params)
-    expert, collected = (with_rewards(read_transitions(d), cfg.reward) for d in (data_dir, Path(collected_dir) / COLLECTED))
+    expert, collected = (
+        with_rewards(read_transitions(d), cfg.reward) for d in (data_dir, Path(collected_dir) / COLLECTED)
+    )
     if not cfg.collected:
         collected = {role: [] for role in ROLES}
     return {role: mix(expert[role], collected[role], cfg.collected_per_expert, cfg.critic.seed) for role in ROLES}
@@ -167,5 +213,7 @@ def advantage_of(advantages: dict, folder: Path, role: str, row: dict) -> float:
     """The advantage `critic@k` wrote (`read_advantages` of `folder`) for transition `row` of `role`."""
     key = (row["trajectory_id"], role, row["step"])
     if key not in advantages:
-        raise artifact(Path(folder), f"no advantage for {role} transition {key[0]} step {key[2]}: it was written for other data")
+        raise artifact(
+            Path(folder), f"no advantage for {role} transition {key[0]} step {key[2]}: it was written for other data"
+        )
     return advantages[key]

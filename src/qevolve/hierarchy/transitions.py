@@ -8,9 +8,9 @@ schema version, and a file whose version or columns do not match fails loudly, n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -47,8 +47,15 @@ def write_transitions(path: Path | str, sets: dict[str, list[Transition]], count
     """Write the three sets as a store folder at `path`, atomically; `count` gives a text's token count."""
     with atomic_dir(path) as tmp:
         for role in ROLES:
-            rows = [{**asdict(t), "level": role, "prompt_tokens": count(t.state_text), "output_tokens": count(t.output_text)}
-                    for t in sets.get(role, [])]
+            rows = [
+                {
+                    **asdict(t),
+                    "level": role,
+                    "prompt_tokens": count(t.state_text),
+                    "output_tokens": count(t.output_text),
+                }
+                for t in sets.get(role, [])
+            ]
             pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp / f"{role}.parquet")
 
 

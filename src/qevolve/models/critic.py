@@ -20,10 +20,9 @@ from qevolve.config import ModelConfig
 from qevolve.data.store import Trajectory
 from qevolve.errors import artifact
 from qevolve.models.base import causal_lm
-from qevolve.models.device import model_device
+from qevolve.models.device import is_main, model_device, pad_ids
 from qevolve.models.policy import load_policy, save_adapters
 from qevolve.models.prompt import PromptBuilder, Window
-from qevolve.models.device import is_main, pad_ids
 
 HEADS_FILE = "heads.safetensors"
 
@@ -60,7 +59,9 @@ class Critic(nn.Module):
         from safetensors.torch import save_file
 
         state = state if state is not None else {n: t.detach() for n, t in self.state_dict().items()}
-        save_adapters(self.lm, out, state_dict={n.removeprefix("lm."): t for n, t in state.items() if n.startswith("lm.")})
+        save_adapters(
+            self.lm, out, state_dict={n.removeprefix("lm."): t for n, t in state.items() if n.startswith("lm.")}
+        )
         heads = {n: t.contiguous() for n, t in state.items() if n.split(".", 1)[0] in ("v", "q", "q_target")}
         save_file(heads, str(out / HEADS_FILE))
 
@@ -79,7 +80,9 @@ def load_critic(base_dir: Path, cfg: ModelConfig, adapter: Path, trainable: bool
         except Exception as err:  # noqa: BLE001 - safetensors' own error type
             raise artifact(heads, f"cannot read the critic's heads ({err})") from None
         for name in ("v", "q", "q_target"):
-            getattr(critic, name).load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.startswith(name + ".")})
+            getattr(critic, name).load_state_dict(
+                {k.split(".", 1)[1]: v for k, v in state.items() if k.startswith(name + ".")}
+            )
     return critic, tok
 
 
@@ -119,11 +122,16 @@ def critic_items(builder: PromptBuilder, trajs: list[Trajectory], weighted: bool
 
 def read_positions(item: CriticItem) -> dict[int, tuple[int, int]]:
     """step -> (position of V(s_step), position of Q(s_step, a_step), or -1 for a state without action)."""
-    return {step: (obs_end, act_end - 1 if act_end > act_start else -1) for step, obs_end, act_start, act_end in item.window.steps}
+    return {
+        step: (obs_end, act_end - 1 if act_end > act_start else -1)
+        for step, obs_end, act_start, act_end in item.window.steps
+    }
 
 
 @torch.no_grad()
-def critic_values(critic: Critic, items: list[CriticItem], pad_id: int, batch_size: int) -> dict[int, dict[int, tuple[float, float]]]:
+def critic_values(
+    critic: Critic, items: list[CriticItem], pad_id: int, batch_size: int
+) -> dict[int, dict[int, tuple[float, float]]]:
     """trajectory index -> step -> (V(s_step), Q(s_step, a_step) or NaN), read in each step's own window."""
     from tqdm import tqdm
 

@@ -1,14 +1,13 @@
 """Where a model computes: the device and dtype that `model.device` and `model.dtype` resolve to.
 
-The setting `auto` picks the GPU where one is present; on a GPU, float32 matmuls run as TF32. Under `torchrun` (several training processes)
-each process takes the GPU of its local rank. `QEVOLVE_DEVICE` overrides `model.device`, so a worker
-can be pointed at a device without editing params.yaml (the device is not part of a stage's lineage).
-"""
+The setting `auto` picks the GPU where one is present; on a GPU, float32 matmuls run as TF32. Under `torchrun` (several
+training processes) each process takes the GPU of its local rank. `QEVOLVE_DEVICE` overrides `model.device`, so a worker
+can be pointed at a device without editing params.yaml (the device is not part of a stage's lineage)."""
 
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -27,12 +26,15 @@ def resolve_device(setting: str = "auto") -> torch.device:
     device = torch.device(setting)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise DeviceError(f"{key}: {setting!r} asked for, but torch {torch.__version__} sees no CUDA device; "
-                              "use `auto` or `cpu`")
+            raise DeviceError(
+                f"{key}: {setting!r} asked for, but torch {torch.__version__} sees no CUDA device; use `auto` or `cpu`"
+            )
         if device.index is None:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         if device.index >= torch.cuda.device_count():
-            raise DeviceError(f"{key}: {setting!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+            raise DeviceError(
+                f"{key}: {setting!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) are visible"
+            )
         # float32 matmuls (LoRA adapters kept in float32 beside a bfloat16 base, float32 models) on the tensor
         # cores as TF32 (10-bit mantissa inputs, float32 accumulation) instead of the plain float32 units
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -47,7 +49,15 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
     return getattr(torch, setting)
 
 
-PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
+PEAK_BF16_TFLOPS = {
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.0,
+    "H200": 989.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+}
 """Dense bf16 peaks by GPU name (the vendors' datasheets, without sparsity); the first name contained in the
 device's name counts, so the PCIe and NVL H100s come before the SXM one ("NVIDIA H100 80GB HBM3")."""
 
@@ -79,14 +89,22 @@ def placement(model: torch.nn.Module) -> dict:
 
     p = next(model.parameters())
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    out = {"device": describe(p.device), "dtype": str(p.dtype).removeprefix("torch."), "processes": world, "sharded": isinstance(model, FSDPModule),
-           "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    out = {
+        "device": describe(p.device),
+        "dtype": str(p.dtype).removeprefix("torch."),
+        "processes": world,
+        "sharded": isinstance(model, FSDPModule),
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
     if p.device.type == "cuda":
         out["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated(p.device) / 2**30
     return out
 
 
-def pad_ids(seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def pad_ids(
+    seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad token lists to the longest: (ids, attention_mask), each (B, T), on `device`."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)

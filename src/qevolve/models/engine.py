@@ -45,7 +45,9 @@ BLOCK = 256
 """The buffer grows in steps of this many positions (and never shrinks)."""
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, fold: bool | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, fold: bool | None = None
+) -> torch.Tensor:
     """Grouped-query attention with a boolean `mask` (B, 1, Q, L): queries (B, heads, Q, d), keys and values
     (B, kv heads, L, d) -> (B, heads, Q, d), as `scaled_dot_product_attention(..., enable_gqa=True)`.
 
@@ -61,7 +63,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if groups == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     folded = q.reshape(B, k.shape[1], groups * Q, d)
-    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.expand(B, 1, Q, k.shape[2]).repeat(1, 1, groups, 1), scale=scale)
+    out = F.scaled_dot_product_attention(
+        folded, k, v, attn_mask=mask.expand(B, 1, Q, k.shape[2]).repeat(1, 1, groups, 1), scale=scale
+    )
     return out.reshape(B, H, Q, d)
 
 
@@ -126,7 +130,12 @@ class SlotEngine(HFBackend):
         slots, length = max(slots, have_slots), max(self.capacity, -(-(positions + 1) // BLOCK) * BLOCK)
         if self.compile_options is not None and self.keys:
             length = max(length, 2 * self.capacity)
-            log.warning("SlotEngine: the key-value buffer grows to %d slots x %d positions; the compiled decode step compiles again", slots, length)
+            log.warning(
+                "SlotEngine: the key-value buffer grows to %d slots x %d positions; the compiled decode step "
+                "compiles again",
+                slots,
+                length,
+            )
         p = next(self.model.parameters())
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -198,7 +207,9 @@ class SlotEngine(HFBackend):
                 segment[b][start : start + len(seg)] = [j] * len(seg)
         at = torch.tensor(written, dtype=torch.long, device=self.device).T
         ids, pos, segment = (torch.tensor(t, dtype=torch.long, device=self.device) for t in (ids, pos, segment))
-        cached = torch.arange(past, device=self.device)[None, :] < torch.tensor(reused, device=self.device)[:, None]  # (B, past)
+        cached = (
+            torch.arange(past, device=self.device)[None, :] < torch.tensor(reused, device=self.device)[:, None]
+        )  # (B, past)
         qs, ks = segment[:, :, None], segment[:, None, :]
         own = torch.ones(Q, Q, dtype=torch.bool, device=self.device).tril() & (ks != -2) & ((ks == -1) | (ks == qs))
         own |= torch.eye(Q, dtype=torch.bool, device=self.device)  # padding queries attend to themselves (no NaN)
@@ -214,6 +225,7 @@ class SlotEngine(HFBackend):
                 self.keys[i].index_put_(index, k.transpose(1, 2)[at[0], at[1]])
                 self.values[i].index_put_(index, v.transpose(1, 2)[at[0], at[1]])
                 return out
+
             return run
 
         x = self.body.embed_tokens(ids)
@@ -233,13 +245,21 @@ class SlotEngine(HFBackend):
 
     # -- decoding ----------------------------------------------------------------------------------------
 
-    def _step(self, ids: torch.Tensor, pos: torch.Tensor, write_at: torch.Tensor, rows: torch.Tensor | slice, window: int) -> torch.Tensor:
+    def _step(
+        self, ids: torch.Tensor, pos: torch.Tensor, write_at: torch.Tensor, rows: torch.Tensor | slice, window: int
+    ) -> torch.Tensor:
         """One decode step for `rows` of the buffers: token `ids` (R,) at positions `pos` (R,), their keys and
         values written at `write_at` (R,); attention over the first `window` positions. Logits (R, V)."""
         seen = torch.arange(window, device=ids.device)[None, :]
-        mask = ((seen < pos[:, None]) | (seen == write_at[:, None]) | (seen == 0))[:, None, None, :]  # (R, 1, 1, window)
+        mask = ((seen < pos[:, None]) | (seen == write_at[:, None]) | (seen == 0))[
+            :, None, None, :
+        ]  # (R, 1, 1, window)
         slots, heads = self.keys[0].shape[:2]
-        index = (torch.arange(slots, device=ids.device)[rows][:, None], torch.arange(heads, device=ids.device)[None, :], write_at[:, None])
+        index = (
+            torch.arange(slots, device=ids.device)[rows][:, None],
+            torch.arange(heads, device=ids.device)[None, :],
+            write_at[:, None],
+        )
 
         def attend(i):
             def run(q, k, v, scale):
@@ -247,6 +267,7 @@ class SlotEngine(HFBackend):
                 self.values[i].index_put_(index, v[:, :, 0])
                 K, V = self._rows(self.keys[i], rows, window), self._rows(self.values[i], rows, window)
                 return attention(q, K, V, mask, scale)
+
             return run
 
         x = self.body.embed_tokens(ids[:, None])
@@ -261,11 +282,23 @@ class SlotEngine(HFBackend):
 
     @torch.no_grad()
     def generate(
-        self, slots: list[int], prompts: list[list[int]], *, max_new_tokens: int, stop: StopRule,
-        greedy: bool, temperature: float, seeds: list[int] | None = None,
+        self,
+        slots: list[int],
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        stop: StopRule,
+        greedy: bool,
+        temperature: float,
+        seeds: list[int] | None = None,
     ) -> list[tuple[list[int], float]]:
         hidden, layout, _, _ = self._forward(slots, prompts, [[] for _ in prompts], reserve=max_new_tokens)
-        last = self.head(hidden[torch.arange(len(prompts), device=self.device), torch.tensor([s - 1 for s, _ in layout], device=self.device)])
+        last = self.head(
+            hidden[
+                torch.arange(len(prompts), device=self.device),
+                torch.tensor([s - 1 for s, _ in layout], device=self.device),
+            ]
+        )
         length = torch.tensor([len(p) for p in prompts], device=self.device)
         free = self.capacity - 1  # where stopped rows write
         if self.compile_options is not None:
@@ -275,7 +308,9 @@ class SlotEngine(HFBackend):
             n_slots = self.keys[0].shape[0]
             every = torch.zeros(n_slots, dtype=torch.long, device=self.device)
 
-            def step(nxt, pos, write_at):  # the call's rows scattered into all slots; the others write to the free position
+            def step(
+                nxt, pos, write_at
+            ):  # the call's rows scattered into all slots; the others write to the free position
                 ids, p, w = every.clone(), every.clone(), torch.full_like(every, free)
                 ids[at], p[at], w[at] = nxt, pos, write_at
                 return self._compiled(ids, p, w)[at]
@@ -293,7 +328,9 @@ class SlotEngine(HFBackend):
             self.encoded_tokens += sum(running)
             return logits
 
-        out = decode(last, feed, max_new_tokens=max_new_tokens, stop=stop, greedy=greedy, temperature=temperature, seeds=seeds)
+        out = decode(
+            last, feed, max_new_tokens=max_new_tokens, stop=stop, greedy=greedy, temperature=temperature, seeds=seeds
+        )
         for slot, p, (tokens, _) in zip(slots, prompts, out):  # the row holds the turn too, but for its last token
             self.slots_held[slot] = list(p) + tokens[:-1]
         return out

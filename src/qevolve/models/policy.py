@@ -12,17 +12,17 @@ default), which keeps each episode's KV cache across turns.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from qevolve.config import ModelConfig
 from qevolve.errors import artifact
 from qevolve.models.backend import RolloutBackend, seeds_from
-from qevolve.models.engine import SlotEngine, rollout_engine
 from qevolve.models.base import load_base
+from qevolve.models.engine import SlotEngine, rollout_engine
 from qevolve.models.prompt import PromptBuilder, format_action, parse_action
 
 _ACTION_LINE = re.compile(r"^\s*action\s*:[^\n]*\S[^\n]*\n", re.IGNORECASE | re.MULTILINE)
@@ -61,8 +61,14 @@ def _embedding_module_names(model) -> list[str]:
     return sorted(names)
 
 
-def load_policy(base_dir: Path | str, cfg: ModelConfig, adapter: Path | str | None = None, trainable: bool = False,
-                names: Sequence[str] = (), seed: int | None = None):
+def load_policy(
+    base_dir: Path | str,
+    cfg: ModelConfig,
+    adapter: Path | str | None = None,
+    trainable: bool = False,
+    names: Sequence[str] = (),
+    seed: int | None = None,
+):
     """(model, tokenizer): a peft model with a fresh LoRA adapter (its initial weights set by `seed` alone when
     given: `lora_model`), or with the one saved at `adapter` when `trainable`; otherwise that adapter merged into
     the base weights (peft's `merge_and_unload`), a plain transformers model for inference. Merged, a forward pass
@@ -182,11 +188,22 @@ class Actor:
     one turn to the next; `reuse_cache=False` re-encodes every prompt in full (the baseline). `model` may
     be None when a `backend` is given."""
 
-    def __init__(self, model, tokenizer, builder: PromptBuilder, mode: str, temperature: float, max_new_tokens: int, reuse_cache: bool = True,
-                 backend: RolloutBackend | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        builder: PromptBuilder,
+        mode: str,
+        temperature: float,
+        max_new_tokens: int,
+        reuse_cache: bool = True,
+        backend: RolloutBackend | None = None,
+    ):
         self.tok, self.builder = tokenizer, builder
         self.mode, self.temperature, self.max_new_tokens = mode, temperature, max_new_tokens
-        self.backend: RolloutBackend = backend or rollout_engine(model.eval(), tokenizer.pad_token_id, reuse=reuse_cache)
+        self.backend: RolloutBackend = backend or rollout_engine(
+            model.eval(), tokenizer.pad_token_id, reuse=reuse_cache
+        )
         self.stop = ActionLineStop(tokenizer, builder.end_ids or [tokenizer.eos_token_id])
 
     def decide(self, episodes: list, greedy: bool, slots: list[int]) -> list[Decision]:
@@ -208,8 +225,12 @@ class Actor:
         """Called after each round with the episodes that just took a step; a flat actor keeps no state."""
 
     def act(
-        self, prompts: list[list[int]], admissible: list[list[str]], greedy: bool,
-        generators: list[torch.Generator] | None = None, slots: list[int] | None = None,
+        self,
+        prompts: list[list[int]],
+        admissible: list[list[str]],
+        greedy: bool,
+        generators: list[torch.Generator] | None = None,
+        slots: list[int] | None = None,
     ) -> list[Decision]:
         """`generators`: one per prompt, what it samples from (not needed when `greedy`)."""
         slots = list(range(len(prompts))) if slots is None else slots
@@ -230,10 +251,17 @@ class Actor:
 
     def _generate(self, slots, prompts, greedy, generators) -> list[Decision]:
         out = self.backend.generate(
-            slots, prompts, max_new_tokens=self.max_new_tokens, stop=self.stop, greedy=greedy,
-            temperature=self.temperature, seeds=None if greedy else seeds_from(generators),
+            slots,
+            prompts,
+            max_new_tokens=self.max_new_tokens,
+            stop=self.stop,
+            greedy=greedy,
+            temperature=self.temperature,
+            seeds=None if greedy else seeds_from(generators),
         )
-        return [Decision(self.tok.decode(toks, skip_special_tokens=True).strip(), logp, len(toks)) for toks, logp in out]
+        return [
+            Decision(self.tok.decode(toks, skip_special_tokens=True).strip(), logp, len(toks)) for toks, logp in out
+        ]
 
 
 class BestOfN(Actor):
@@ -241,7 +269,17 @@ class BestOfN(Actor):
     valid actions (at `temperature`, with `generator`), and take the one the critic's Q(s, a) rates
     highest. The choice is the same whether the caller asks for greedy or sampled actions."""
 
-    def __init__(self, model, tokenizer, builder: PromptBuilder, critic, n: int, temperature: float, batch_size: int, generator: torch.Generator):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        builder: PromptBuilder,
+        critic,
+        n: int,
+        temperature: float,
+        batch_size: int,
+        generator: torch.Generator,
+    ):
         super().__init__(model, tokenizer, builder, "admissible", temperature, 1)
         self.critic, self.n, self.batch_size, self.generator = critic, n, batch_size, generator
 
@@ -252,14 +290,26 @@ class BestOfN(Actor):
         drawn = []
         for s in scores:
             logp = torch.log_softmax(s / self.temperature, dim=-1)
-            drawn.append((logp, sorted(set(torch.multinomial(logp.exp(), self.n, replacement=True, generator=self.generator).tolist()))))
+            drawn.append(
+                (
+                    logp,
+                    sorted(
+                        set(torch.multinomial(logp.exp(), self.n, replacement=True, generator=self.generator).tolist())
+                    ),
+                )
+            )
         pairs = [(e, k) for e, (_, ks) in enumerate(drawn) for k in ks]
         q = self.q_values([prompts[e] + cand_ids[e][k] for e, k in pairs])
         best: dict[int, tuple[float, int]] = {}
         for (e, k), v in zip(pairs, q):
             if e not in best or v > best[e][0]:
                 best[e] = (v, k)
-        return [Decision(format_action(admissible[e][best[e][1]]), float(drawn[e][0][best[e][1]]), len(cand_ids[e][best[e][1]])) for e in range(len(prompts))]
+        return [
+            Decision(
+                format_action(admissible[e][best[e][1]]), float(drawn[e][0][best[e][1]]), len(cand_ids[e][best[e][1]])
+            )
+            for e in range(len(prompts))
+        ]
 
     @torch.no_grad()
     def q_values(self, seqs: list[list[int]]) -> list[float]:

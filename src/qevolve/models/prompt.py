@@ -61,7 +61,7 @@ class ChatFormat:
     assistant_end: str
 
     @classmethod
-    def from_tokenizer(cls, tokenizer) -> "ChatFormat":
+    def from_tokenizer(cls, tokenizer) -> ChatFormat:
         u1, a1, u2 = "\x01U1\x01", "\x01A1\x01", "\x01U2\x01"
         msgs = [{"role": "user", "content": u1}, {"role": "assistant", "content": a1}, {"role": "user", "content": u2}]
         full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
@@ -83,8 +83,16 @@ def _common_suffix(a: str, b: str) -> str:
 class PromptBuilder:
     """Turns (instruction, observations, actions) into token ids, with a mask over action tokens."""
 
-    def __init__(self, tokenizer, context_tokens: int, one_shot: str = "", repeat_task: bool = False, max_observation_tokens: int = 0,
-                 intro: str = INSTRUCTION, keep_case: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        context_tokens: int,
+        one_shot: str = "",
+        repeat_task: bool = False,
+        max_observation_tokens: int = 0,
+        intro: str = INSTRUCTION,
+        keep_case: bool = False,
+    ):
         self.tok = tokenizer
         self.intro, self.keep_case = intro, keep_case
         self.max_observation_tokens = max_observation_tokens
@@ -106,7 +114,9 @@ class PromptBuilder:
 
     def clip(self, observation: str) -> str:
         """The observation, cut to `max_observation_tokens` tokens (0 = no limit) with a marker."""
-        if not self.max_observation_tokens or len(observation) <= self.max_observation_tokens:  # a token holds >= 1 char
+        if (
+            not self.max_observation_tokens or len(observation) <= self.max_observation_tokens
+        ):  # a token holds >= 1 char
             return observation
         ids = self._enc(observation)
         if len(ids) <= self.max_observation_tokens:
@@ -114,8 +124,12 @@ class PromptBuilder:
         key = hash(observation)
         if key not in self.truncated:
             self.truncated.add(key)
-            log.warning("an observation of %d tokens (%d characters) was cut to %d tokens (prompt.max_observation_tokens)",
-                        len(ids), len(observation), self.max_observation_tokens)
+            log.warning(
+                "an observation of %d tokens (%d characters) was cut to %d tokens (prompt.max_observation_tokens)",
+                len(ids),
+                len(observation),
+                self.max_observation_tokens,
+            )
         return self.tok.decode(ids[: self.max_observation_tokens]) + " [...]"
 
     def user_turn(self, text: str) -> list[int]:
@@ -131,8 +145,7 @@ class PromptBuilder:
         observations = [self.clip(o) for o in observations]
         users = [self.first_user_text(instruction, observations[0])] + [o.strip() + task for o in observations[1:]]
         return [
-            (self.user_turn(u), self.action_ids(outputs[i]) if i < len(outputs) else [])
-            for i, u in enumerate(users)
+            (self.user_turn(u), self.action_ids(outputs[i]) if i < len(outputs) else []) for i, u in enumerate(users)
         ]
 
     def fit(self, turns: list[tuple[list[int], list[int]]], reserve: int = 0) -> list[tuple[list[int], list[int]]]:
@@ -157,11 +170,15 @@ class PromptBuilder:
             ids += user + assistant
         return ids
 
-    def training_examples(self, instruction: str, observations: list[str], outputs: list[str]) -> list[tuple[list[int], list[int]]]:
+    def training_examples(
+        self, instruction: str, observations: list[str], outputs: list[str]
+    ) -> list[tuple[list[int], list[int]]]:
         """(ids, mask) windows covering every action of a trajectory; mask is 1 on action tokens only."""
         return [(w.ids, w.mask) for w in self.windows(instruction, observations[: len(outputs)], outputs)]
 
-    def windows(self, instruction: str, observations: list[str], outputs: list[str], lookahead: bool = False) -> list[Window]:
+    def windows(
+        self, instruction: str, observations: list[str], outputs: list[str], lookahead: bool = False
+    ) -> list[Window]:
         """Cut a trajectory into windows that fit the context budget, each step in exactly one window.
 
         A trajectory that fits is one window. A longer one is cut into windows that each start with the
@@ -220,9 +237,18 @@ def make_builder(params: Params, tokenizer, policy_dir: Path) -> PromptBuilder:
     try:
         saved = json.loads((Path(policy_dir) / PROMPT_FILE).read_text())
     except (OSError, ValueError) as err:
-        raise artifact(Path(policy_dir) / PROMPT_FILE, f"cannot read the prompt the policy was trained with ({err})") from None
-    return PromptBuilder(tokenizer, params.model.context_tokens, saved["one_shot"], saved["repeat_task"], params.prompt.max_observation_tokens,
-                         saved.get("intro", INSTRUCTION), saved.get("keep_case", False))
+        raise artifact(
+            Path(policy_dir) / PROMPT_FILE, f"cannot read the prompt the policy was trained with ({err})"
+        ) from None
+    return PromptBuilder(
+        tokenizer,
+        params.model.context_tokens,
+        saved["one_shot"],
+        saved["repeat_task"],
+        params.prompt.max_observation_tokens,
+        saved.get("intro", INSTRUCTION),
+        saved.get("keep_case", False),
+    )
 
 
 def build_examples(builder: PromptBuilder, trajs: list[Trajectory]) -> list[tuple[list[int], list[int]]]:

@@ -49,7 +49,10 @@ class RayPolicyBackend:
         gpu = resolve_device(params.model.device).type == "cuda"
         options = {"num_gpus": 1} if gpu else {"num_cpus": cpus}
         cls = ray.remote(max_restarts=0, **options)(_Replica)
-        self.replicas = [cls.remote(params, str(base_dir), str(policy_dir), max(1, int(cpus)), slots) for _ in range(params.policy.replicas)]
+        self.replicas = [
+            cls.remote(params, str(base_dir), str(policy_dir), max(1, int(cpus)), slots)
+            for _ in range(params.policy.replicas)
+        ]
         self._stops: dict[int, tuple] = {}
 
     def _fan(self, op: str, slots: list[int], columns: dict[str, list], **kwargs) -> list:
@@ -60,15 +63,21 @@ class RayPolicyBackend:
         groups: dict[int, list[int]] = {}
         for i, slot in enumerate(slots):
             groups.setdefault(slot % len(self.replicas), []).append(i)
-        refs = {r: self.replicas[r].call.remote(op, slots=[slots[i] for i in rows], **{k: [v[i] for i in rows] for k, v in columns.items()}, **kwargs)
-                for r, rows in groups.items()}
+        refs = {
+            r: self.replicas[r].call.remote(
+                op, slots=[slots[i] for i in rows], **{k: [v[i] for i in rows] for k, v in columns.items()}, **kwargs
+            )
+            for r, rows in groups.items()
+        }
         out: list = [None] * len(slots)
         for r, rows in groups.items():
             try:
                 answers = ray.get(refs[r])
             except RayActorError as err:
-                raise RuntimeError(f"policy replica {r} of {len(self.replicas)} died during {op} ({type(err).__name__}); "
-                                   "run the evolution again to rerun the stage") from None
+                raise RuntimeError(
+                    f"policy replica {r} of {len(self.replicas)} died during {op} ({type(err).__name__}); "
+                    "run the evolution again to rerun the stage"
+                ) from None
             for i, answer in zip(rows, answers):
                 out[i] = answer
         return out
@@ -76,15 +85,31 @@ class RayPolicyBackend:
     def score(self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]) -> list:
         return self._fan("score", slots, {"prompts": prompts, "candidates": candidates})
 
-    def generate(self, slots: list[int], prompts: list[list[int]], *, max_new_tokens: int, stop, greedy: bool, temperature: float,
-                 seeds: list[int] | None = None) -> list[tuple[list[int], float]]:
+    def generate(
+        self,
+        slots: list[int],
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        stop,
+        greedy: bool,
+        temperature: float,
+        seeds: list[int] | None = None,
+    ) -> list[tuple[list[int], float]]:
         import ray
 
         if id(stop) not in self._stops:  # sent once; the stop rule holds the tokenizer
             self._stops[id(stop)] = (stop, ray.put(stop))
         columns = {"prompts": prompts} if seeds is None else {"prompts": prompts, "seeds": seeds}
-        return self._fan("generate", slots, columns, max_new_tokens=max_new_tokens, stop=self._stops[id(stop)][1], greedy=greedy,
-                         temperature=temperature)
+        return self._fan(
+            "generate",
+            slots,
+            columns,
+            max_new_tokens=max_new_tokens,
+            stop=self._stops[id(stop)][1],
+            greedy=greedy,
+            temperature=temperature,
+        )
 
     def placement(self) -> dict:
         import ray

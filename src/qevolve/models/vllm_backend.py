@@ -15,8 +15,8 @@ embeddings (`modules_to_save`), so it needs `model.lora.train_embeddings: false`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -28,11 +28,18 @@ class VLLMBackend:
     `scorer`. `sampling_params` builds one request's parameters (`vllm.SamplingParams`)."""
 
     def __init__(self, engine, lora_request, sampling_params: Callable, scorer: HFBackend | None = None):
-        self.engine, self.lora_request, self.sampling_params, self.scorer = engine, lora_request, sampling_params, scorer
+        self.engine, self.lora_request, self.sampling_params, self.scorer = (
+            engine,
+            lora_request,
+            sampling_params,
+            scorer,
+        )
         self.encoded_tokens = 0
         """Prompt and generated tokens sent to the engine (its prefix cache decides what it encodes)."""
 
-    def score(self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]) -> list[torch.Tensor]:
+    def score(
+        self, slots: list[int], prompts: list[list[int]], candidates: list[list[list[int]]]
+    ) -> list[torch.Tensor]:
         if self.scorer is None:
             raise ValueError("policy.backend vllm generates only; admissible scoring runs on the HF backend (`scorer`)")
         return self.scorer.score(slots, prompts, candidates)
@@ -44,11 +51,29 @@ class VLLMBackend:
     def forget(self, slot: int | None = None) -> None:
         """Nothing is kept per slot (vLLM's prefix cache is keyed by content)."""
 
-    def generate(self, slots: list[int], prompts: list[list[int]], *, max_new_tokens: int, stop: StopRule, greedy: bool,
-                 temperature: float, seeds: list[int] | None = None) -> list[tuple[list[int], float]]:
-        params = [self.sampling_params(max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
-                                       seed=None if greedy else seeds[b], logprobs=0) for b in range(len(prompts))]
-        outputs = self.engine.generate([{"prompt_token_ids": list(p)} for p in prompts], params, lora_request=self.lora_request, use_tqdm=False)
+    def generate(
+        self,
+        slots: list[int],
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        stop: StopRule,
+        greedy: bool,
+        temperature: float,
+        seeds: list[int] | None = None,
+    ) -> list[tuple[list[int], float]]:
+        params = [
+            self.sampling_params(
+                max_tokens=max_new_tokens,
+                temperature=0.0 if greedy else temperature,
+                seed=None if greedy else seeds[b],
+                logprobs=0,
+            )
+            for b in range(len(prompts))
+        ]
+        outputs = self.engine.generate(
+            [{"prompt_token_ids": list(p)} for p in prompts], params, lora_request=self.lora_request, use_tqdm=False
+        )
         results = []
         for out in outputs:
             turn = out.outputs[0]
@@ -69,11 +94,21 @@ def vllm_backend(base_dir: Path, adapter_dir: Path, params, scorer: HFBackend | 
         from vllm import LLM, SamplingParams
         from vllm.lora.request import LoRARequest
     except ImportError as err:
-        raise ImportError("policy.backend: `vllm` needs vLLM installed (pip install -e '.[vllm]' on a GPU machine)") from err
+        raise ImportError(
+            "policy.backend: `vllm` needs vLLM installed (pip install -e '.[vllm]' on a GPU machine)"
+        ) from err
     from qevolve.models.base import model_source
 
     cfg = params.model
-    engine = LLM(model=model_source(base_dir), dtype=cfg.dtype, enable_lora=True, max_lora_rank=cfg.lora.r, enable_prefix_caching=True,
-                 logprobs_mode="processed_logprobs", max_model_len=cfg.context_tokens + params.policy.max_new_tokens,
-                 gpu_memory_utilization=params.policy.gpu_memory, seed=0)
+    engine = LLM(
+        model=model_source(base_dir),
+        dtype=cfg.dtype,
+        enable_lora=True,
+        max_lora_rank=cfg.lora.r,
+        enable_prefix_caching=True,
+        logprobs_mode="processed_logprobs",
+        max_model_len=cfg.context_tokens + params.policy.max_new_tokens,
+        gpu_memory_utilization=params.policy.gpu_memory,
+        seed=0,
+    )
     return VLLMBackend(engine, LoRARequest("policy", 1, str(adapter_dir)), SamplingParams, scorer)

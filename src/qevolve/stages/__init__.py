@@ -57,8 +57,19 @@ def launch_processes(stage: str, params: Params, iteration: int | None, params_f
     from qevolve.models.device import resolve_device
 
     n = params.train.processes
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-           "-m", "qevolve.cli", "run", stage, "--params", str(params_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={n}",
+        "-m",
+        "qevolve.cli",
+        "run",
+        stage,
+        "--params",
+        str(params_file),
+    ]
     if iteration is not None:
         cmd += ["--iteration", str(iteration)]
     with workspace_lock(params_file.parent, f"stage {stage_name(stage, iteration)} in {n} processes"):
@@ -67,12 +78,16 @@ def launch_processes(stage: str, params: Params, iteration: int | None, params_f
             env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // n))
         done = run_ranks(cmd, env)
     if done.returncode != 0:
-        raise RuntimeError(f"{stage_name(stage, iteration)}: the {n} training processes failed (exit {done.returncode}); "
-                           f"their output is above. Command: {' '.join(cmd)}")
+        raise RuntimeError(
+            f"{stage_name(stage, iteration)}: the {n} training processes failed (exit {done.returncode}); "
+            f"their output is above. Command: {' '.join(cmd)}"
+        )
     return json.loads(paths.metrics(stage_name(stage, iteration)).read_text())
 
 
-def run_stage(stage: str, params: Params, iteration: int | None = None, params_file: Path = Path("params.yaml")) -> dict:
+def run_stage(
+    stage: str, params: Params, iteration: int | None = None, params_file: Path = Path("params.yaml")
+) -> dict:
     """Run one stage of the parameters' method in this workspace (the working directory), with the
     paths its recipe names. A trainer stage with `train.processes` > 1 is launched in that many processes
     unless this is one of them already."""
@@ -107,10 +122,13 @@ def check_reads(name: str, spec: Stage, reads: set[str]) -> None:
     """Raise unless every params key the stage read is covered by its recipe's `params` (a key or one of
     its parents), where it computes aside (`EXECUTION_PATHS`): the params deps in dvc.yaml come from that
     list, so this is what keeps them complete."""
+
     def covered(key: str) -> bool:
         return any(key == d or key.startswith(d + ".") for d in (*spec.params, *EXECUTION_PATHS))
 
     missing = sorted(k for k in reads if not covered(k))
     if missing:
-        raise UndeclaredParams(f"stage {name} read params {missing}, which its recipe does not list (Stage {spec.name!r} in "
-                               f"{spec.module.rsplit('.', 1)[0]}): dvc.yaml would not re-run it when they change; add them to its params")
+        raise UndeclaredParams(
+            f"stage {name} read params {missing}, which its recipe does not list (Stage {spec.name!r} in "
+            f"{spec.module.rsplit('.', 1)[0]}): dvc.yaml would not re-run it when they change; add them to its params"
+        )

@@ -7,8 +7,8 @@ from pathlib import Path
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import read_store
-from qevolve.models.base import build_embedded, write_pointer
 from qevolve.environments import ENVIRONMENTS
+from qevolve.models.base import build_embedded, write_pointer
 
 
 def corpus(experts_dir: Path, env: str) -> list[str]:
@@ -25,7 +25,9 @@ def base(params: Params, experts_dir: Path, out: Path, metrics_path: Path) -> di
     cfg = params.model
     with atomic_dir(out) as tmp:
         if cfg.base == "embedded":
-            metrics = build_embedded(cfg.embedded, corpus(experts_dir, params.env.name), tmp, max_positions=2 * cfg.context_tokens)
+            metrics = build_embedded(
+                cfg.embedded, corpus(experts_dir, params.env.name), tmp, max_positions=2 * cfg.context_tokens
+            )
         else:
             metrics = write_pointer(cfg.base, tmp)
     write_json(metrics_path, metrics)

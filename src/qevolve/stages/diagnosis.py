@@ -16,12 +16,21 @@ def contrast_warning(ranked: dict, episodes: int, critic: str = "the critic") ->
         return f"no held-out episode was {which} (of {episodes}): {critic}'s contrast cannot be measured"
     seen = f"{ranked['auc']:.2f} (exact p {ranked['p']:.2g}, {ranked['positives']} won, {ranked['negatives']} lost)"
     if ranked["contrast"] is None:
-        return (f"{critic}'s contrast cannot be told from chance: its AUC for won against lost held-out episodes is {seen}, "
-                f"and at least {MIN_CLASS} of each are needed")
+        return (
+            f"{critic}'s contrast cannot be told from chance: its AUC for won against lost held-out episodes is "
+            f"{seen}, "
+            f"and at least {MIN_CLASS} of each are needed"
+        )
     if not ranked["contrast"]:
-        return f"{critic} carries no contrast: its AUC for won against lost held-out episodes is {seen}, not told from chance (0.5)"
+        return (
+            f"{critic} carries no contrast: its AUC for won against lost held-out episodes is {seen}, not told "
+            f"from chance (0.5)"
+        )
     if ranked["auc"] < 0.5:
-        return f"{critic} ranks lost above won: its AUC for won against lost held-out episodes is {seen}, below chance (0.5)"
+        return (
+            f"{critic} ranks lost above won: its AUC for won against lost held-out episodes is {seen}, below "
+            f"chance (0.5)"
+        )
     return None
 
 
@@ -44,14 +53,25 @@ def credit_aucs(values: list[list[float]], won: list[bool]) -> dict:
     s0 = auc([v[0] for v, w in zip(values, won) if w], [v[0] for v, w in zip(values, won) if not w])
     weighted, pairs = 0.0, 0
     for t in MATCHED_STEPS:
-        at = auc([v[t] for v, w in zip(values, won) if w and len(v) > t], [v[t] for v, w in zip(values, won) if not w and len(v) > t])
+        at = auc(
+            [v[t] for v, w in zip(values, won) if w and len(v) > t],
+            [v[t] for v, w in zip(values, won) if not w and len(v) > t],
+        )
         if at["auc"] is not None:
             weighted += at["auc"] * at["positives"] * at["negatives"]
             pairs += at["positives"] * at["negatives"]
-    return {"auc_s0": s0["auc"], "auc_s0_p": s0["p"], "auc_matched": weighted / pairs if pairs else None, "matched_pairs": pairs}
+    return {
+        "auc_s0": s0["auc"],
+        "auc_s0_p": s0["p"],
+        "auc_matched": weighted / pairs if pairs else None,
+        "matched_pairs": pairs,
+    }
 
 
 def no_op_warning(kl: float) -> str | None:
     if kl < NO_OP_KL:
-        return f"the update is a no-op: KL(previous ‖ new) is {kl:.1e} nats per action token on held-out states (< {NO_OP_KL:g})"
+        return (
+            f"the update is a no-op: KL(previous ‖ new) is {kl:.1e} nats per action token on held-out states (< "
+            f"{NO_OP_KL:g})"
+        )
     return None

@@ -13,9 +13,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from qevolve.config import ConfigError, Params
-from qevolve.environments import ENVIRONMENTS
 from qevolve.data.atomic import write_json
 from qevolve.data.store import StepRecord, Trajectory, write_store
+from qevolve.environments import ENVIRONMENTS
 from qevolve.envs import Task, make_env, select_tasks
 from qevolve.envs.base import ENV_ERROR, check_env_failures, env_error
 from qevolve.models.prompt import format_action
@@ -34,7 +34,9 @@ def demonstrate(env, task: Task, max_steps: int, seed: int = 0, corrupt: float =
     getattr(env, "seed_random", random.seed)(f"{seed}:{task.split}/{task.id}")  # in the env's process
     draw = random.Random(f"corrupt:{seed}:{task.split}/{task.id}")
     first = env.reset(task)
-    traj = Trajectory(uuid.uuid4().hex, task.id, task.type, task.split, CORRUPTED if corrupt else "expert", first.instruction)
+    traj = Trajectory(
+        uuid.uuid4().hex, task.id, task.type, task.split, CORRUPTED if corrupt else "expert", first.instruction
+    )
     obs, valid = first.text, first.admissible
     for t in range(max_steps):
         if corrupt and draw.random() < corrupt and valid:
@@ -48,8 +50,15 @@ def demonstrate(env, task: Task, max_steps: int, seed: int = 0, corrupt: float =
         valid = r.admissible
         traj.steps.append(
             StepRecord(
-                step=t, observation=obs, output=format_action(action), action=action, next_observation=r.observation,
-                reward=r.reward, done=r.done, won=r.won, valid=r.valid,
+                step=t,
+                observation=obs,
+                output=format_action(action),
+                action=action,
+                next_observation=r.observation,
+                reward=r.reward,
+                done=r.done,
+                won=r.won,
+                valid=r.valid,
             )
         )
         obs = r.observation
@@ -71,15 +80,25 @@ def _demonstrate_all(params: Params, kind: str, tasks: list[Task], bar, corrupt:
         for task in tasks:
             for attempt in range(cfg.retries + 1):
                 try:
-                    max_steps = (params.experts.corrupt.max_steps or params.env.max_steps) if corrupt else params.experts.max_steps
-                    traj = demonstrate(env, task, max_steps, params.experts.seed, corrupt, params.experts.corrupt.action)
+                    max_steps = (
+                        (params.experts.corrupt.max_steps or params.env.max_steps)
+                        if corrupt
+                        else params.experts.max_steps
+                    )
+                    traj = demonstrate(
+                        env, task, max_steps, params.experts.seed, corrupt, params.experts.corrupt.action
+                    )
                     break
                 except Exception as err:  # noqa: BLE001 - a crashed simulator fails this demonstration only
                     env.close()
                     env = make_env(cfg, expert=kind, worker=cfg.processes)
-                    traj = Trajectory(uuid.uuid4().hex, task.id, task.type, task.split, CORRUPTED if corrupt else "expert", "")
+                    traj = Trajectory(
+                        uuid.uuid4().hex, task.id, task.type, task.split, CORRUPTED if corrupt else "expert", ""
+                    )
                     traj.failure = env_error(err)
-                    bar.write(f"experts: {task.id}: environment failed ({err}); attempt {attempt + 1}/{cfg.retries + 1}")
+                    bar.write(
+                        f"experts: {task.id}: environment failed ({err}); attempt {attempt + 1}/{cfg.retries + 1}"
+                    )
             out.append(traj)
             bar.update(1)
     finally:
@@ -92,7 +111,10 @@ def experts(params: Params, out: Path, metrics_path: Path, details_path: Path) -
     failed demonstration (expert, task, reason) to `details_path`."""
     cfg = params.experts
     if cfg.corrupt.episodes and not ENVIRONMENTS[params.env.name].lists_actions:
-        raise ConfigError(f"experts.corrupt.episodes: {params.env.name} does not list its valid actions, which corrupted episodes draw from")
+        raise ConfigError(
+            f"experts.corrupt.episodes: {params.env.name} does not list its valid actions, which corrupted "
+            f"episodes draw from"
+        )
     tasks = select_tasks(make_env(params.env), cfg.split, params.env, 0, cfg.seed)
     tasks = random.Random(cfg.seed).sample(tasks, min(max(cfg.demos.values()), len(tasks)))
     corrupt = cfg.corrupt
@@ -100,7 +122,7 @@ def experts(params: Params, out: Path, metrics_path: Path, details_path: Path) -
     plays += [(corrupt.expert or next(iter(cfg.demos)), corrupt.episodes, corrupt.share)] if corrupt.episodes else []
     jobs = [(kind, share, t) for kind, n, share in plays for t in tasks[:n]]
     # each expert's tasks dealt to `workers` environments, `workers` of them playing at a time
-    shards = [(kind, tasks[:n][w::cfg.workers], share) for kind, n, share in plays for w in range(cfg.workers)]
+    shards = [(kind, tasks[:n][w :: cfg.workers], share) for kind, n, share in plays for w in range(cfg.workers)]
     shards = [(kind, ts, share) for kind, ts, share in shards if ts]
     threads = cfg.workers if params.env.processes else 1  # in-process simulators are not thread-safe
     with tqdm(total=len(jobs), desc="experts", unit="ep") as bar, ThreadPoolExecutor(threads) as pool:
@@ -125,7 +147,13 @@ def experts(params: Params, out: Path, metrics_path: Path, details_path: Path) -
         "failures": dict(Counter(t.failure.split(":")[0] for t in trajs if not t.won)),
         **({"corrupted_episodes": len(corrupted), "corrupted_kept": len(lost)} if corrupt.episodes else {}),
     }
-    write_json(details_path, [{"expert": kind, "task_id": t.task_id, "reason": t.failure} for (kind, share, _), t in zip(jobs, every)
-                              if not t.won and not share])
+    write_json(
+        details_path,
+        [
+            {"expert": kind, "task_id": t.task_id, "reason": t.failure}
+            for (kind, share, _), t in zip(jobs, every)
+            if not t.won and not share
+        ],
+    )
     write_json(metrics_path, metrics)
     return metrics

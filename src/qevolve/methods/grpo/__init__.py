@@ -10,10 +10,20 @@ from qevolve.recipe import ACTING_PARAMS, ONLINE_LOGGED, Recipe, Stage
 
 def _iteration(params, recipe: Recipe) -> tuple[Stage, ...]:
     return (
-        Stage("online", f"{__name__}.online",
-              lambda k: {"base_dir": paths.BASE, "previous_dir": paths.policy(k - 1), "previous_metrics": recipe.steps_before(k - 1)},
-              lambda k: {"out": paths.policy(k)}, (*ACTING_PARAMS, "policy", "online"), curve=("round", "success_rate"), takes_iteration=True,
-              logged=ONLINE_LOGGED),
+        Stage(
+            "online",
+            f"{__name__}.online",
+            lambda k: {
+                "base_dir": paths.BASE,
+                "previous_dir": paths.policy(k - 1),
+                "previous_metrics": recipe.steps_before(k - 1),
+            },
+            lambda k: {"out": paths.policy(k)},
+            (*ACTING_PARAMS, "policy", "online"),
+            curve=("round", "success_rate"),
+            takes_iteration=True,
+            logged=ONLINE_LOGGED,
+        ),
     )
 
 

@@ -30,6 +30,9 @@ SECTIONS = {"online": OnlineConfig}
 
 def check(params) -> None:
     if params.method == "grpo" and params.policy.algo != "bppo":
-        raise ValueError(f"policy.algo: the GRPO baseline (method `grpo`) takes its clipped surrogate, clip range and KL "
-                         f"from the policy section; `{params.policy.algo}` would silently turn it into {params.policy.algo.upper()}. "
-                         "Use policy.algo `bppo` with GRPO")
+        raise ValueError(
+            f"policy.algo: the GRPO baseline (method `grpo`) takes its clipped surrogate, clip range and KL "
+            f"from the policy section; `{params.policy.algo}` would silently turn it into "
+            f"{params.policy.algo.upper()}. "
+            "Use policy.algo `bppo` with GRPO"
+        )

@@ -26,10 +26,9 @@ from qevolve.config import Params
 from qevolve.hierarchy.critic import Item, LevelCritic, critic_items, save_critic, values
 from qevolve.hierarchy.shared import load_roles_policy, role_builder, save_roles_policy, training_sets
 from qevolve.models.base import target_logprobs
-from qevolve.models.device import model_device
+from qevolve.models.device import model_device, pad_ids
 from qevolve.models.policy import use_adapter
 from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, save_and_report, train
-from qevolve.models.device import pad_ids
 
 LEVEL = "low"
 TAU = 0.5
@@ -44,8 +43,11 @@ def on_actor(model, levels: tuple[str, ...], critic_lr: float) -> LevelCritic:
     return joint
 
 
-def joint_step(joint: LevelCritic, micro: list[list[Item]], beta: float, max_weight: float, gamma: float, pad_id: int) -> dict:
-    """Forward and backward of one optimiser step: the critic's losses, then the actor's, both into System 2's adapter."""
+def joint_step(
+    joint: LevelCritic, micro: list[list[Item]], beta: float, max_weight: float, gamma: float, pad_id: int
+) -> dict:
+    """Forward and backward of one optimiser step: the critic's losses, then the actor's, both into System 2's
+    adapter."""
     total = sum(len(mb) for mb in micro)
     device = model_device(joint)
     sums = {"loss": 0.0, "v_loss": 0.0, "q_loss": 0.0, "awr": 0.0, "advantage": 0.0, "logp": 0.0}
@@ -53,7 +55,9 @@ def joint_step(joint: LevelCritic, micro: list[list[Item]], beta: float, max_wei
         x = values(joint, mb, pad_id)
         rewards = torch.tensor([it.reward for it in mb], device=device)
         not_done = torch.tensor([0.0 if it.done else 1.0 for it in mb], device=device)
-        v_loss, q_loss = iql_losses(x["v"], x["q"], x["q_target"], x["v_next"], rewards, not_done, torch.ones_like(rewards), gamma, TAU, total)
+        v_loss, q_loss = iql_losses(
+            x["v"], x["q"], x["q_target"], x["v_next"], rewards, not_done, torch.ones_like(rewards), gamma, TAU, total
+        )
         adv = (x["q"] - x["v"]).detach()
         ids, attn = pad_ids([it.ids for it in mb], pad_id, device)
         mask, _ = pad_ids([[0] * it.output_start + [1] * (len(it.ids) - it.output_start) for it in mb], 0, device)
@@ -70,8 +74,17 @@ def joint_step(joint: LevelCritic, micro: list[list[Item]], beta: float, max_wei
     return sums
 
 
-def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, collected_dir: Path, out: Path, critic_out: Path,
-           metrics_path: Path, curve_path: Path) -> dict:
+def policy(
+    params: Params,
+    base_dir: Path,
+    previous_dir: Path,
+    data_dir: Path,
+    collected_dir: Path,
+    out: Path,
+    critic_out: Path,
+    metrics_path: Path,
+    curve_path: Path,
+) -> dict:
     hrl = params.multi2
     cfg = hrl.policy
     rows = training_sets(params, data_dir, collected_dir)[LEVEL]
@@ -83,10 +96,18 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
     joint = on_actor(model, (LEVEL,), hrl.critic.lr)
     items = critic_items(role_builder(params, tok), {LEVEL: rows}, action_end=True)
     start = time.perf_counter()
-    curve = train(joint, items, cfg, lambda it: 2 * len(it.ids) + len(it.next_ids),
-                  lambda micro: joint_step(joint, micro, cfg.beta, cfg.max_weight, hrl.critic.gamma, tok.pad_token_id), "policy",
-                  after_step=lambda: joint.update_target(hrl.critic.target_rate), checkpoint=checkpoint_path(out),
-                  inputs=input_digest(previous_dir, data_dir, collected_dir), run=params.train)
+    curve = train(
+        joint,
+        items,
+        cfg,
+        lambda it: 2 * len(it.ids) + len(it.next_ids),
+        lambda micro: joint_step(joint, micro, cfg.beta, cfg.max_weight, hrl.critic.gamma, tok.pad_token_id),
+        "policy",
+        after_step=lambda: joint.update_target(hrl.critic.target_rate),
+        checkpoint=checkpoint_path(out),
+        inputs=input_digest(previous_dir, data_dir, collected_dir),
+        run=params.train,
+    )
     elapsed = time.perf_counter() - start
 
     def save() -> None:
@@ -101,4 +122,6 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
         "examples": len(items),
         "expectile": TAU,
     }
-    return save_and_report(save, metrics, model, curve, elapsed, params.train, out, metrics_path, curve_path, speed_of=joint)
+    return save_and_report(
+        save, metrics, model, curve, elapsed, params.train, out, metrics_path, curve_path, speed_of=joint
+    )

@@ -111,13 +111,20 @@ SECTIONS = {"multi2": Multi2Config}
 def check(params) -> None:
     check_hierarchy(params, "multi2")
     if params.multi2.repo_compat and params.multi2.rl_roles != ("low",):
-        raise ValueError(f"multi2.rl_roles: repo_compat reproduces the public code, which trains System 2 only (`[low]`), got "
-                         f"{list(params.multi2.rl_roles)}; set repo_compat: false for the role ablations")
+        raise ValueError(
+            f"multi2.rl_roles: repo_compat reproduces the public code, which trains System 2 only (`[low]`), got "
+            f"{list(params.multi2.rl_roles)}; set repo_compat: false for the role ablations"
+        )
     if params.method != "multi2" or params.evolve.iterations < 2:
         return
     if "low" not in params.multi2.rl_roles:
-        raise ValueError("multi2.rl_roles: the online phase (iterations >= 2) refines System 2, which these roles leave as cloned; "
-                         "add `low`, or set evolve.iterations: 1")
+        raise ValueError(
+            "multi2.rl_roles: the online phase (iterations >= 2) refines System 2, which these roles leave as cloned; "
+            "add `low`, or set evolve.iterations: 1"
+        )
     if params.multi2.adapters == "shared":
-        raise ValueError("multi2.adapters: the online phase (iterations >= 2) trains System 2's own adapter against its frozen offline "
-                         "copy; `shared` gives it none of its own. Use `separate`, or evolve.iterations: 1")
+        raise ValueError(
+            "multi2.adapters: the online phase (iterations >= 2) trains System 2's own adapter against its frozen "
+            "offline "
+            "copy; `shared` gives it none of its own. Use `separate`, or evolve.iterations: 1"
+        )

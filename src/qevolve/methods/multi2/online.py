@@ -32,19 +32,26 @@ import torch
 from qevolve.algos.rl import awac_kl_loss, iql_losses
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_path, write_json
-from qevolve.hierarchy.transitions import read_transitions, write_transitions
 from qevolve.envs import make_env, select_tasks
 from qevolve.errors import artifact
 from qevolve.hierarchy.critic import LevelCritic, critic_items, load_critic, load_heads, save_critic, values
 from qevolve.hierarchy.roles import Transition, encode, transitions
+from qevolve.hierarchy.shared import (
+    ROLES_FILE,
+    agent_of,
+    read_roles,
+    role_builder,
+    role_names,
+    save_roles_policy,
+    with_rewards,
+)
+from qevolve.hierarchy.transitions import read_transitions, write_transitions
 from qevolve.methods.multi2.compat import on_actor
-from qevolve.hierarchy.shared import ROLES_FILE, agent_of, read_roles, role_builder, role_names, save_roles_policy, with_rewards
 from qevolve.models.base import target_logprobs
-from qevolve.models.device import placement
+from qevolve.models.device import pad_ids, placement
 from qevolve.models.policy import load_policy, use_adapter
 from qevolve.rollout import another_round, count_round, online_metrics, play_in
 from qevolve.training import changing_tensors, checkpoint_path, fingerprint, input_digest, load_round, trained_state
-from qevolve.models.device import pad_ids
 
 LEVEL, ANCHOR = "low", "anchor"
 """System 2's role, and the name of the frozen offline adapter the KL is measured against."""
@@ -75,7 +82,14 @@ def succeeded(segment: list[dict], outcome: bool = False) -> bool:
     return segment[0]["won"] if outcome else sum(r["reward"] for r in segment) > 0
 
 
-def push(buffer: list[list[dict]], new: list[list[dict]], size: int, keep_fail: float, rng: random.Random, outcome: bool = False) -> int:
+def push(
+    buffer: list[list[dict]],
+    new: list[list[dict]],
+    size: int,
+    keep_fail: float,
+    rng: random.Random,
+    outcome: bool = False,
+) -> int:
     """Append the segments worth keeping (every `succeeded` one, a failed one with probability `keep_fail`),
     dropping the oldest past `size`; how many were kept."""
     kept = [seg for seg in new if succeeded(seg, outcome) or rng.random() < keep_fail]
@@ -94,7 +108,8 @@ def load_buffer(seed_dir: Path, iteration: int, size: int, reward: str = "subgoa
 
 
 def segment_batch(buffer: list[list[dict]], size: int, rng: random.Random) -> list[dict]:
-    """`repo_compat`'s batch: whole segments drawn at random until they hold `size` transitions or the buffer is spent."""
+    """`repo_compat`'s batch: whole segments drawn at random until they hold `size` transitions or the buffer is
+    spent."""
     batch = []
     for seg in rng.sample(buffer, len(buffer)):
         if len(batch) >= size:
@@ -108,11 +123,23 @@ def segment_centred(q: torch.Tensor, batch: list[dict]) -> torch.Tensor:
     keys = [(r["trajectory_id"], r["subtask_index"]) for r in batch]
     index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
     group = torch.tensor([index[k] for k in keys], device=q.device)
-    means = torch.zeros(len(index), device=q.device, dtype=q.dtype).index_add_(0, group, q) / torch.bincount(group).to(q.dtype)
+    means = torch.zeros(len(index), device=q.device, dtype=q.dtype).index_add_(0, group, q) / torch.bincount(group).to(
+        q.dtype
+    )
     return q - means[group]
 
 
-def update(model, critic: LevelCritic, batch: list[dict], builder, cfg, critic_cfg, optimizers, pad_id: int, compat: bool = False) -> dict:
+def update(
+    model,
+    critic: LevelCritic,
+    batch: list[dict],
+    builder,
+    cfg,
+    critic_cfg,
+    optimizers,
+    pad_id: int,
+    compat: bool = False,
+) -> dict:
     """One critic step (`critic_cfg`: gamma, expectile, target rate) and one actor step (`cfg`, the online
     section) on `batch`, transitions of System 2. `compat` (`multi2.repo_compat`; the critic's heads on
     System 2's own features): the critic's gradients reach System 2's adapter and its actor step applies
@@ -126,8 +153,18 @@ def update(model, critic: LevelCritic, batch: list[dict], builder, cfg, critic_c
     device = x["v"].device
     rewards = torch.tensor([it.reward for it in mb], device=device)
     not_done = torch.tensor([0.0 if it.done else 1.0 for it in mb], device=device)
-    v_loss, q_loss = iql_losses(x["v"], x["q"], x["q_target"], x["v_next"], rewards, not_done, torch.ones_like(rewards), critic_cfg.gamma,
-                                critic_cfg.expectile, len(batch))
+    v_loss, q_loss = iql_losses(
+        x["v"],
+        x["q"],
+        x["q_target"],
+        x["v_next"],
+        rewards,
+        not_done,
+        torch.ones_like(rewards),
+        critic_cfg.gamma,
+        critic_cfg.expectile,
+        len(batch),
+    )
     critic_opt.zero_grad(set_to_none=True)
     (v_loss + q_loss).backward()
     critic_opt.step()
@@ -144,18 +181,40 @@ def update(model, critic: LevelCritic, batch: list[dict], builder, cfg, critic_c
     use_adapter(model, LEVEL)
     tok_logp = target_logprobs(model, ids, mask, attention_mask=attn)
     seq = (tok_logp * target).sum(-1) / target.sum(-1).clamp(min=1)
-    loss, weighted, kl = awac_kl_loss(seq, adv, tok_logp[target], ref, alpha=cfg.alpha, max_weight=cfg.max_weight, eta=cfg.eta, first_order=compat)
+    loss, weighted, kl = awac_kl_loss(
+        seq, adv, tok_logp[target], ref, alpha=cfg.alpha, max_weight=cfg.max_weight, eta=cfg.eta, first_order=compat
+    )
     if not compat:
         actor_opt.zero_grad(set_to_none=True)
     loss.backward()
     actor_opt.step()
     weights = torch.exp(adv / cfg.alpha).clamp(max=cfg.max_weight)
-    return {"loss": loss.item(), "weighted": weighted.item(), "kl": kl.item(), "v_loss": v_loss.item(), "q_loss": q_loss.item(),
-            "advantage": adv.mean().item(), "weight_clipped": (weights >= cfg.max_weight).float().mean().item()}
+    return {
+        "loss": loss.item(),
+        "weighted": weighted.item(),
+        "kl": kl.item(),
+        "v_loss": v_loss.item(),
+        "q_loss": q_loss.item(),
+        "advantage": adv.mean().item(),
+        "weight_clipped": (weights >= cfg.max_weight).float().mean().item(),
+    }
 
 
-def online(params: Params, base_dir: Path, previous_dir: Path, anchor_dir: Path, critic_dir: Path, seed_dir: Path, out: Path, critic_out: Path,
-           buffer_out: Path, metrics_path: Path, curve_path: Path, iteration: int, previous_metrics: Path) -> dict:
+def online(
+    params: Params,
+    base_dir: Path,
+    previous_dir: Path,
+    anchor_dir: Path,
+    critic_dir: Path,
+    seed_dir: Path,
+    out: Path,
+    critic_out: Path,
+    buffer_out: Path,
+    metrics_path: Path,
+    curve_path: Path,
+    iteration: int,
+    previous_metrics: Path,
+) -> dict:
     hrl, env_cfg = params.multi2, params.env
     cfg, compat = hrl.online, hrl.repo_compat
     roles = read_roles(previous_dir)
@@ -166,11 +225,26 @@ def online(params: Params, base_dir: Path, previous_dir: Path, anchor_dir: Path,
     rng = random.Random(cfg.seed + 1000 * iteration)
     torch.manual_seed(cfg.seed + 1000 * iteration)
     ckpt = checkpoint_path(out)
-    key = fingerprint(iteration, params.model_dump(include={"env", "model", "policy", "multi2"}),
-                      input_digest(previous_dir, anchor_dir, critic_dir, seed_dir))
-    state = {"round": 0, "env_steps": 0, "tokens": 0, "generated_tokens": 0, "episodes": 0, "won": 0, "kept": 0, "curve": [], "fingerprint": key}
+    key = fingerprint(
+        iteration,
+        params.model_dump(include={"env", "model", "policy", "multi2"}),
+        input_digest(previous_dir, anchor_dir, critic_dir, seed_dir),
+    )
+    state = {
+        "round": 0,
+        "env_steps": 0,
+        "tokens": 0,
+        "generated_tokens": 0,
+        "episodes": 0,
+        "won": 0,
+        "kept": 0,
+        "curve": [],
+        "fingerprint": key,
+    }
     trained = changing_tensors(model)
-    critic_trained = {n for n in changing_tensors(critic) if not (compat and n.startswith("lm."))}  # under compat, `lm` is the actor
+    critic_trained = {
+        n for n in changing_tensors(critic) if not (compat and n.startswith("lm."))
+    }  # under compat, `lm` is the actor
     if saved := load_round(ckpt, key, f"online@{iteration}"):
         model.load_state_dict(saved.pop("model"), strict=False)
         critic.load_state_dict(saved.pop("critic"), strict=False)
@@ -185,35 +259,73 @@ def online(params: Params, base_dir: Path, previous_dir: Path, anchor_dir: Path,
         seed = cfg.seed + 1000 * iteration + r
         agent = agent_of(params, model, tok, True, roles, params.policy.temperature)
         tasks = select_tasks(lister, "train", env_cfg, cfg.episodes_per_round, seed)
-        trajs = play_in(env_cfg, tasks, agent, greedy=False, source=f"policy@{iteration - 1}", batch_size=len(tasks), seed=seed,
-                        desc=f"online@{iteration} round {r + 1}")
+        trajs = play_in(
+            env_cfg,
+            tasks,
+            agent,
+            greedy=False,
+            source=f"policy@{iteration - 1}",
+            batch_size=len(tasks),
+            seed=seed,
+            desc=f"online@{iteration} round {r + 1}",
+        )
         trajs = count_round(state, trajs, env_cfg, f"online@{iteration}")
         new = []
         for t in (t for t in trajs if t.steps):
-            rows = [{**vars(x), "level": LEVEL} for seg in online_segments(t, agent.labels[t.trajectory_id], agent.prompts) for x in seg]
+            rows = [
+                {**vars(x), "level": LEVEL}
+                for seg in online_segments(t, agent.labels[t.trajectory_id], agent.prompts)
+                for x in seg
+            ]
             new += segments(with_rewards({LEVEL: rows}, hrl.reward)[LEVEL])
         state["kept"] += push(buffer, new, cfg.buffer_size, cfg.keep_fail_ratio, rng, outcome)
         rows = _round_updates(model, critic, buffer, builder, hrl, rng, tok.pad_token_id)
-        row = {"round": r + 1, "env_steps": state["env_steps"], "success_rate": sum(t.won for t in trajs) / max(len(trajs), 1),
-               "buffer_segments": len(buffer), "kept_segments": state["kept"]}
+        row = {
+            "round": r + 1,
+            "env_steps": state["env_steps"],
+            "success_rate": sum(t.won for t in trajs) / max(len(trajs), 1),
+            "buffer_segments": len(buffer),
+            "kept_segments": state["kept"],
+        }
         row |= {k: sum(x[k] for x in rows) / len(rows) for k in rows[0]} if rows else {}
         state["curve"].append(row)
         state["round"] = r + 1
         with atomic_path(ckpt) as tmp:
-            torch.save({**state, "model": trained_state(model, trained), "critic": trained_state(critic, critic_trained), "buffer": buffer,
-                        "rng": rng.getstate(), "torch_rng": torch.get_rng_state()}, tmp)
+            torch.save(
+                {
+                    **state,
+                    "model": trained_state(model, trained),
+                    "critic": trained_state(critic, critic_trained),
+                    "buffer": buffer,
+                    "rng": rng.getstate(),
+                    "torch_rng": torch.get_rng_state(),
+                },
+                tmp,
+            )
     model.delete_adapter(ANCHOR)
     save_roles_policy(model, out, previous_dir)
     save_critic(critic, critic_out, adapter=not compat)
-    write_transitions(buffer_out, {LEVEL: [Transition(**{k: v for k, v in x.items() if k in Transition.__dataclass_fields__})
-                                           for seg in buffer for x in seg]},
-                      lambda text: len(tok.encode(text, add_special_tokens=False)))
+    write_transitions(
+        buffer_out,
+        {
+            LEVEL: [
+                Transition(**{k: v for k, v in x.items() if k in Transition.__dataclass_fields__})
+                for seg in buffer
+                for x in seg
+            ]
+        },
+        lambda text: len(tok.encode(text, add_special_tokens=False)),
+    )
     metrics = {
         **online_metrics(state, previous_metrics),
         "buffer_segments": len(buffer),
         "buffer_success_share": sum(succeeded(seg, outcome) for seg in buffer) / max(len(buffer), 1),
         "kept_segments": state["kept"],
-        **({k: state["curve"][-1][k] for k in ("loss", "kl", "v_loss", "q_loss", "advantage", "weight_clipped")} if "kl" in state["curve"][-1] else {}),
+        **(
+            {k: state["curve"][-1][k] for k in ("loss", "kl", "v_loss", "q_loss", "advantage", "weight_clipped")}
+            if "kl" in state["curve"][-1]
+            else {}
+        ),
         "seconds": time.perf_counter() - start,
         **placement(model),
     }
@@ -229,7 +341,10 @@ def _online_models(params: Params, base_dir: Path, previous_dir: Path, anchor_di
     (under `repo_compat`, heads on the actor's own features)."""
     names = role_names(roles["adapters"], roles["progress"])
     if not names:
-        raise artifact(Path(previous_dir) / ROLES_FILE, "the online phase trains System 2's own adapter; this policy's roles share one")
+        raise artifact(
+            Path(previous_dir) / ROLES_FILE,
+            "the online phase trains System 2's own adapter; this policy's roles share one",
+        )
     model, tok = load_policy(base_dir, params.model, adapter=previous_dir, trainable=True, names=names)
     for name in names:  # System 1 (and any other role) stays frozen
         if name != LEVEL:
@@ -239,7 +354,10 @@ def _online_models(params: Params, base_dir: Path, previous_dir: Path, anchor_di
     try:
         model.load_adapter(str(Path(anchor_dir) / LEVEL), adapter_name=ANCHOR, is_trainable=False)
     except Exception as err:  # noqa: BLE001 - peft and safetensors raise many kinds for a missing or cut file
-        raise artifact(Path(anchor_dir) / LEVEL, f"cannot load the offline System 2 adapter ({type(err).__name__}: {str(err)[:300]})") from err
+        raise artifact(
+            Path(anchor_dir) / LEVEL,
+            f"cannot load the offline System 2 adapter ({type(err).__name__}: {str(err)[:300]})",
+        ) from err
     use_adapter(model, LEVEL)
     cfg = params.multi2.online
     if params.multi2.repo_compat:
@@ -257,8 +375,24 @@ def _round_updates(model, critic, buffer: list, builder, hrl, rng: random.Random
     model.train()
     critic.train()
     flat = [x for seg in buffer for x in seg]
-    optimizers = (torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0),
-                  torch.optim.AdamW([p for n, p in critic.named_parameters() if p.requires_grad and not (compat and n.startswith("lm."))],
-                                    lr=cfg.critic_lr, weight_decay=0.0))
-    draw = (lambda: segment_batch(buffer, cfg.batch_size, rng)) if compat else (lambda: rng.sample(flat, min(cfg.batch_size, len(flat))))
-    return [update(model, critic, draw(), builder, cfg, hrl.critic, optimizers, pad_id, compat) for _ in range(cfg.updates_per_round)] if flat else []
+    optimizers = (
+        torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0),
+        torch.optim.AdamW(
+            [p for n, p in critic.named_parameters() if p.requires_grad and not (compat and n.startswith("lm."))],
+            lr=cfg.critic_lr,
+            weight_decay=0.0,
+        ),
+    )
+    draw = (
+        (lambda: segment_batch(buffer, cfg.batch_size, rng))
+        if compat
+        else (lambda: rng.sample(flat, min(cfg.batch_size, len(flat))))
+    )
+    return (
+        [
+            update(model, critic, draw(), builder, cfg, hrl.critic, optimizers, pad_id, compat)
+            for _ in range(cfg.updates_per_round)
+        ]
+        if flat
+        else []
+    )

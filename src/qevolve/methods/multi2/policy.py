@@ -22,13 +22,19 @@ from qevolve.config import Params
 from qevolve.hierarchy.agent import RoleStop
 from qevolve.hierarchy.critic import advantages_of, load_critic
 from qevolve.hierarchy.roles import encode, parse_low
-from qevolve.hierarchy.shared import advantage_of, load_roles_policy, read_advantages, role_builder, save_roles_policy, training_sets
+from qevolve.hierarchy.shared import (
+    advantage_of,
+    load_roles_policy,
+    read_advantages,
+    role_builder,
+    save_roles_policy,
+    training_sets,
+)
 from qevolve.models.backend import HFBackend
 from qevolve.models.base import target_logprobs
-from qevolve.models.device import model_device
+from qevolve.models.device import model_device, pad_ids
 from qevolve.models.policy import use_adapter
 from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, save_and_report, train
-from qevolve.models.device import pad_ids
 
 Item = tuple[str, list[int], list[int], float]
 """(role, the state's prompt ids, the data's output ids, its advantage)."""
@@ -49,8 +55,14 @@ class Sampler:
         self.model.eval()
         try:
             out = HFBackend(self.model, self.tok.pad_token_id, reuse=False).generate(
-                list(range(len(prompts))), prompts, max_new_tokens=self.max_new_tokens, stop=self.stop, greedy=False,
-                temperature=self.temperature, seeds=seeds)
+                list(range(len(prompts))),
+                prompts,
+                max_new_tokens=self.max_new_tokens,
+                stop=self.stop,
+                greedy=False,
+                temperature=self.temperature,
+                seeds=seeds,
+            )
         finally:
             self.model.train(was_training)
         return [(self.tok.decode(t, skip_special_tokens=True).strip().splitlines() or [""])[0].strip() for t, _ in out]
@@ -71,13 +83,18 @@ def anchored_step(model, critic, sampler: Sampler, micro: list[list[Item]], cfg,
             adv_pi = advantages_of(critic, role, prompts, sampled_ids, pad_id).to(device)
         seqs = [p + o for _, p, o, _ in mb] + [p + o for p, o in zip(prompts, sampled_ids)]
         ids, attn = pad_ids(seqs, pad_id, device)
-        mask, _ = pad_ids([[0] * len(p) + [1] * len(o) for _, p, o, _ in mb] + [[0] * len(p) + [1] * len(o) for p, o in zip(prompts, sampled_ids)],
-                          0, device)
+        mask, _ = pad_ids(
+            [[0] * len(p) + [1] * len(o) for _, p, o, _ in mb]
+            + [[0] * len(p) + [1] * len(o) for p, o in zip(prompts, sampled_ids)],
+            0,
+            device,
+        )
         logp = sequence_logprobs(target_logprobs(model, ids, mask, attention_mask=attn), mask)
         n = len(mb)
         adv = torch.tensor([a for *_, a in mb], device=device)
-        loss, awr, anchored = anchored_awr_loss(logp[:n], adv, logp[n:], adv_pi, beta=cfg.beta, max_weight=cfg.max_weight, lam=cfg.lam,
-                                                relu=cfg.relu)
+        loss, awr, anchored = anchored_awr_loss(
+            logp[:n], adv, logp[n:], adv_pi, beta=cfg.beta, max_weight=cfg.max_weight, lam=cfg.lam, relu=cfg.relu
+        )
         share = n / total
         (loss * share).backward()
         sums["loss"] += loss.item() * share
@@ -98,8 +115,18 @@ def _by_role(model, mb: list[Item], separate: bool):
         yield [it for it in mb if it[0] == role]
 
 
-def policy(params: Params, base_dir: Path, previous_dir: Path, critic_dir: Path, data_dir: Path, collected_dir: Path, advantage_dir: Path,
-           out: Path, metrics_path: Path, curve_path: Path) -> dict:
+def policy(
+    params: Params,
+    base_dir: Path,
+    previous_dir: Path,
+    critic_dir: Path,
+    data_dir: Path,
+    collected_dir: Path,
+    advantage_dir: Path,
+    out: Path,
+    metrics_path: Path,
+    curve_path: Path,
+) -> dict:
     cfg, roles = params.multi2.policy, params.multi2.rl_roles
     sets = training_sets(params, data_dir, collected_dir)
     if not any(sets[role] for role in roles):
@@ -117,19 +144,39 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, critic_dir: Path,
     sampler = Sampler(model, tok, builder, params.policy.max_new_tokens, cfg.temperature)
     weights = torch.exp(cfg.beta * torch.tensor([a for *_, a in items])).clamp(max=cfg.max_weight)
     start = time.perf_counter()
-    curve = train(model, items, cfg, lambda it: 2 * len(it[1]) + len(it[2]) + params.policy.max_new_tokens,
-                  lambda micro: anchored_step(model, critic, sampler, micro, cfg, tok.pad_token_id, separate), "policy",
-                  checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, critic_dir, data_dir, collected_dir, advantage_dir), run=params.train)
+    curve = train(
+        model,
+        items,
+        cfg,
+        lambda it: 2 * len(it[1]) + len(it[2]) + params.policy.max_new_tokens,
+        lambda micro: anchored_step(model, critic, sampler, micro, cfg, tok.pad_token_id, separate),
+        "policy",
+        checkpoint=checkpoint_path(out),
+        inputs=input_digest(previous_dir, critic_dir, data_dir, collected_dir, advantage_dir),
+        run=params.train,
+    )
     elapsed = time.perf_counter() - start
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),
         "first_loss": curve[0]["loss"],
-        **{key: last_epoch_mean(curve, key) for key in ("awr", "anchored", "logp", "sampled_advantage", "sampled_parsed")},
+        **{
+            key: last_epoch_mean(curve, key)
+            for key in ("awr", "anchored", "logp", "sampled_advantage", "sampled_parsed")
+        },
         "first_logp": curve[0]["logp"],
         "examples": len(items),
         **{f"{role}_examples": sum(it[0] == role for it in items) for role in roles},
         "weight_mean": float(weights.mean()),
         "weight_clipped": float((weights >= cfg.max_weight).float().mean()),
     }
-    return save_and_report(lambda: save_roles_policy(model, out, previous_dir), metrics, model, curve, elapsed, params.train, out,
-                           metrics_path, curve_path)
+    return save_and_report(
+        lambda: save_roles_policy(model, out, previous_dir),
+        metrics,
+        model,
+        curve,
+        elapsed,
+        params.train,
+        out,
+        metrics_path,
+        curve_path,
+    )

@@ -17,16 +17,16 @@ import torch
 from qevolve.algos.rl import gae_advantages
 from qevolve.algos.stats import auc
 from qevolve.config import Params
-from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.advantages import ADVANTAGES_FILE, MOVING, SCHEMA
+from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import read_store
 from qevolve.models.critic import critic_items, critic_values, load_critic
 from qevolve.models.device import placement
 from qevolve.models.prompt import make_builder
 
-
 CONSTANT = {"bppo": 1.0, "awr": 0.0}
-"""`advantage.constant`: the advantage at which each update's weight on a step is 1 (`qevolve.algos.rl.update_weights`)."""
+"""`advantage.constant`: the advantage at which each update's weight on a step is 1
+(`qevolve.algos.rl.update_weights`)."""
 
 
 def histogram(values: list[float], bins: int = 20) -> list[dict]:
@@ -38,7 +38,9 @@ def histogram(values: list[float], bins: int = 20) -> list[dict]:
     return [{"advantage": lo + (i + 0.5) * width, "count": int(c)} for i, c in enumerate(counts)]
 
 
-def advantage(params: Params, base_dir: Path, critic_dir: Path, data_dir: Path, out: Path, metrics_path: Path, curve_path: Path) -> dict:
+def advantage(
+    params: Params, base_dir: Path, critic_dir: Path, data_dir: Path, out: Path, metrics_path: Path, curve_path: Path
+) -> dict:
     cfg = params.advantage
     trajs = read_store(data_dir)
     model, tok = load_critic(base_dir, params.model, critic_dir)
@@ -59,12 +61,21 @@ def advantage(params: Params, base_dir: Path, critic_dir: Path, data_dir: Path, 
         else:
             adv = q - v[:T]
         rows += [
-            {"trajectory_id": t.trajectory_id, "step": s.step, "source": t.source, "value": float(v[j]), "q": float(q[j]), "raw_advantage": float(adv[j])}
+            {
+                "trajectory_id": t.trajectory_id,
+                "step": s.step,
+                "source": t.source,
+                "value": float(v[j]),
+                "q": float(q[j]),
+                "raw_advantage": float(adv[j]),
+            }
             for j, s in enumerate(t.steps)
         ]
     raw = torch.tensor([r["raw_advantage"] for r in rows])
     if torch.isnan(raw).any():
-        raise ValueError(f"{critic_dir}: the critic gives NaN values on {data_dir}; retrain it (e.g. a lower critic.lr)")
+        raise ValueError(
+            f"{critic_dir}: the critic gives NaN values on {data_dir}; retrain it (e.g. a lower critic.lr)"
+        )
     mean, std = float(raw.mean()), float(raw.std()) if len(rows) > 1 else 1.0
     for r in rows:
         r["advantage"] = (r["raw_advantage"] - mean) / (std + 1e-8) if cfg.normalize else r["raw_advantage"]

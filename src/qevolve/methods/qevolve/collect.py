@@ -10,12 +10,20 @@ from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import write_store
 from qevolve.models.policy import Actor
-from qevolve.models.ray_policy import rollout_backend
 from qevolve.models.prompt import make_builder
+from qevolve.models.ray_policy import rollout_backend
 from qevolve.rollout import collection_metrics, play_collection
 
 
-def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics_path: Path, iteration: int, previous_metrics: Path) -> dict:
+def collect(
+    params: Params,
+    base_dir: Path,
+    policy_dir: Path,
+    out: Path,
+    metrics_path: Path,
+    iteration: int,
+    previous_metrics: Path,
+) -> dict:
     """Sample episodes with temperature `policy.temperature`, recording each action's behaviour log-prob.
 
     `previous_metrics` (the experts' metrics for k = 1, else collect@k-1's) carries the cumulative env-step
@@ -23,8 +31,15 @@ def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics
     cfg = params.collect
     torch.manual_seed(cfg.seed + iteration)
     backend, tok = rollout_backend(params, base_dir, policy_dir, params.collect.batch_size)
-    actor = Actor(None, tok, make_builder(params, tok, policy_dir), params.policy.action_mode, params.policy.temperature, params.policy.max_new_tokens,
-                  backend=backend)
+    actor = Actor(
+        None,
+        tok,
+        make_builder(params, tok, policy_dir),
+        params.policy.action_mode,
+        params.policy.temperature,
+        params.policy.max_new_tokens,
+        backend=backend,
+    )
     trajs, failures, tasks = play_collection(params, actor, iteration)
     write_store(out, trajs)
     metrics = {

@@ -72,6 +72,8 @@ SECTIONS = {"relabel": RelabelConfig, "critic": CriticConfig, "advantage": Advan
 
 def check(params) -> None:
     if params.rerank.best_of and params.policy.action_mode != "admissible":
-        raise ValueError("rerank.best_of: Best-of-N reranking draws from the valid actions; it needs policy.action_mode `admissible`")
+        raise ValueError(
+            "rerank.best_of: Best-of-N reranking draws from the valid actions; it needs policy.action_mode `admissible`"
+        )
     if params.rerank.best_of and params.method != "qevolve":
         raise ValueError("rerank.best_of: reranking uses Q-Evolve's critic; it needs method `qevolve`")

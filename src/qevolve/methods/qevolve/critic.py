@@ -17,16 +17,28 @@ from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir
 from qevolve.data.store import Trajectory, read_store
 from qevolve.models.critic import Critic, CriticItem, critic_items, critic_values, load_critic, read_positions
+from qevolve.models.device import is_main, model_device, pad_ids
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PROMPT_FILE, make_builder
-from qevolve.models.device import model_device
-from qevolve.models.device import is_main, pad_ids
-from qevolve.training import checkpoint_path, full_state, input_digest, is_sharded, last_epoch_mean, loading_config, local_share, save_and_report, shard, train
+from qevolve.training import (
+    checkpoint_path,
+    full_state,
+    input_digest,
+    is_sharded,
+    last_epoch_mean,
+    loading_config,
+    local_share,
+    save_and_report,
+    shard,
+    train,
+)
 
 
 def critic_step(critic: Critic, micro: list[list[CriticItem]], gamma: float, tau: float, pad_id: int) -> dict:
     """Weighted expectile loss for V plus weighted TD loss for Q, over every step of the micro-batches."""
-    n_weight = sum(float(it.weights[s]) for mb in micro for it in mb for s, (_, q) in read_positions(it).items() if q >= 0)
+    n_weight = sum(
+        float(it.weights[s]) for mb in micro for it in mb for s, (_, q) in read_positions(it).items() if q >= 0
+    )
     sums = {"loss": 0.0, "v_loss": 0.0, "q_loss": 0.0}
     device = model_device(critic)
     for mb, scale in local_share(micro, even=is_sharded(critic)):
@@ -50,8 +62,16 @@ def critic_step(critic: Critic, micro: list[list[CriticItem]], gamma: float, tau
         values = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
         rows_t, q_pos_t = index(rows), index(q_pos)
         v_loss, q_loss = iql_losses(
-            v[rows_t, index(v_pos)], q[rows_t, q_pos_t], q_target[rows_t, q_pos_t], v[rows_t, index(next_pos)],
-            values(r), values(notdone), values(w), gamma, tau, n_weight,
+            v[rows_t, index(v_pos)],
+            q[rows_t, q_pos_t],
+            q_target[rows_t, q_pos_t],
+            v[rows_t, index(next_pos)],
+            values(r),
+            values(notdone),
+            values(w),
+            gamma,
+            tau,
+            n_weight,
         )
         v_loss, q_loss = v_loss * scale, q_loss * scale
         (v_loss + q_loss).backward()
@@ -61,7 +81,9 @@ def critic_step(critic: Critic, micro: list[list[CriticItem]], gamma: float, tau
     return sums
 
 
-def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, out: Path, metrics_path: Path, curve_path: Path) -> dict:
+def critic(
+    params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, out: Path, metrics_path: Path, curve_path: Path
+) -> dict:
     cfg = params.critic
     torch.manual_seed(cfg.seed)
     trajs = read_store(data_dir)
@@ -76,10 +98,16 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, out
     items = critic_items(builder, trajs, cfg.weighted)
     start = time.perf_counter()
     curve = train(
-        model, items, cfg, lambda it: len(it.window.ids),
+        model,
+        items,
+        cfg,
+        lambda it: len(it.window.ids),
         lambda micro: critic_step(model, micro, cfg.gamma, cfg.expectile, tok.pad_token_id),
-        "critic", after_step=lambda: model.update_target(cfg.target_rate), checkpoint=checkpoint_path(out),
-        inputs=input_digest(policy_dir, data_dir), run=params.train,
+        "critic",
+        after_step=lambda: model.update_target(cfg.target_rate),
+        checkpoint=checkpoint_path(out),
+        inputs=input_digest(policy_dir, data_dir),
+        run=params.train,
     )
     elapsed = time.perf_counter() - start
     state = full_state(model)
@@ -108,6 +136,7 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, out
 def value_stats(trajs: list[Trajectory], values: dict[int, dict[int, tuple[float, float]]]) -> dict:
     """Mean V over the steps of won and of lost trajectories, overall V and Q statistics, and how well an
     episode's mean V ranks won above lost on the data the critic trained on (`auc_train`; held out: `diagnose@k`)."""
+
     def mean(xs: list[float]) -> float:
         return sum(xs) / len(xs) if xs else float("nan")
 

@@ -32,13 +32,24 @@ from qevolve.policy_update import policy_kl
 from qevolve.stages.diagnosis import NO_OP_KL, contrast_warning, credit_aucs, no_op_warning, useless
 
 
-def diagnose(params: Params, base_dir: Path, previous_dir: Path, policy_dir: Path, critic_dir: Path, heldout_dir: Path,
-             metrics_path: Path) -> dict:
+def diagnose(
+    params: Params,
+    base_dir: Path,
+    previous_dir: Path,
+    policy_dir: Path,
+    critic_dir: Path,
+    heldout_dir: Path,
+    metrics_path: Path,
+) -> dict:
     torch.manual_seed(0)
     trajs = [t for t in read_store(heldout_dir) if t.steps]
     critic, tok = load_critic(base_dir, params.model, critic_dir)
-    values = critic_values(critic, critic_items(make_builder(params, tok, critic_dir), trajs, weighted=False), tok.pad_token_id,
-                           params.critic.micro_batch_size)
+    values = critic_values(
+        critic,
+        critic_items(make_builder(params, tok, critic_dir), trajs, weighted=False),
+        tok.pad_token_id,
+        params.critic.micro_batch_size,
+    )
     del critic
     episodes: dict[bool, list[float]] = {True: [], False: []}
     steps: dict[bool, list[float]] = {True: [], False: []}
@@ -51,15 +62,24 @@ def diagnose(params: Params, base_dir: Path, previous_dir: Path, policy_dir: Pat
     previous, tok = load_policy(base_dir, params.model, adapter=previous_dir)
     new, _ = load_policy(base_dir, params.model, adapter=policy_dir)
     builder = make_builder(params, tok, previous_dir)
-    windows = [w for t in trajs for w in builder.windows(t.instruction, [s.observation for s in t.steps], [s.output for s in t.steps])]
+    windows = [
+        w
+        for t in trajs
+        for w in builder.windows(t.instruction, [s.observation for s in t.steps], [s.output for s in t.steps])
+    ]
     kl, tokens = policy_kl(previous, new, windows, tok.pad_token_id, params.policy.micro_batch_size)
 
     metrics = {
-        "heldout_episodes": len(trajs), "heldout_won": len(episodes[True]),
-        "critic_auc": by_episode["auc"], "critic_auc_p": by_episode["p"], "critic_auc_steps": by_step["auc"],
+        "heldout_episodes": len(trajs),
+        "heldout_won": len(episodes[True]),
+        "critic_auc": by_episode["auc"],
+        "critic_auc_p": by_episode["p"],
+        "critic_auc_steps": by_step["auc"],
         **{f"critic_{key}": value for key, value in credit_aucs(per_state, [t.won for t in trajs]).items()},
-        "kl_previous_new": kl, "kl_tokens": tokens,
-        "no_contrast": useless(by_episode), "no_op": int(kl < NO_OP_KL),
+        "kl_previous_new": kl,
+        "kl_tokens": tokens,
+        "no_contrast": useless(by_episode),
+        "no_op": int(kl < NO_OP_KL),
         "warnings": [w for w in (contrast_warning(by_episode, len(trajs)), no_op_warning(kl)) if w],
     }
     write_json(metrics_path, metrics)

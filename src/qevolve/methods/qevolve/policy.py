@@ -16,18 +16,34 @@ import torch
 
 from qevolve.algos.rl import off_one_share, update_weights
 from qevolve.config import Params
-from qevolve.data.atomic import atomic_dir
 from qevolve.data.advantages import read_advantages
+from qevolve.data.atomic import atomic_dir
 from qevolve.data.store import read_store
 from qevolve.models.policy import load_policy, save_adapters
 from qevolve.models.prompt import PROMPT_FILE, make_builder
 from qevolve.policy_update import policy_items, policy_step, reference_pass
-from qevolve.training import checkpoint_path, full_state, input_digest, last_epoch_mean, loading_config, save_and_report, shard, train
+from qevolve.training import (
+    checkpoint_path,
+    full_state,
+    input_digest,
+    last_epoch_mean,
+    loading_config,
+    save_and_report,
+    shard,
+    train,
+)
 
 
 def policy(
-    params: Params, base_dir: Path, previous_dir: Path, bc_dir: Path, data_dir: Path, advantage_dir: Path,
-    out: Path, metrics_path: Path, curve_path: Path,
+    params: Params,
+    base_dir: Path,
+    previous_dir: Path,
+    bc_dir: Path,
+    data_dir: Path,
+    advantage_dir: Path,
+    out: Path,
+    metrics_path: Path,
+    curve_path: Path,
 ) -> dict:
     cfg = params.policy
     trajs = read_store(data_dir)
@@ -43,12 +59,23 @@ def policy(
     expert_items = [it for it in items if it.expert]
     if expert_items and Path(previous_dir).resolve() != Path(bc_dir).resolve():
         bc_model = shard(load_policy(base_dir, load, adapter=bc_dir)[0], params.train, params.model.device)
-        for it, ref in zip(expert_items, reference_pass(bc_model, expert_items, tok.pad_token_id, cfg.micro_batch_size)):
+        for it, ref in zip(
+            expert_items, reference_pass(bc_model, expert_items, tok.pad_token_id, cfg.micro_batch_size)
+        ):
             it.behavior = torch.stack([lp.sum() for lp in ref])
         del bc_model
     start = time.perf_counter()
-    curve = train(model, items, cfg, lambda it: len(it.window.ids), lambda micro: policy_step(model, micro, params, tok.pad_token_id), "policy",
-                  checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, bc_dir, data_dir, advantage_dir), run=params.train)
+    curve = train(
+        model,
+        items,
+        cfg,
+        lambda it: len(it.window.ids),
+        lambda micro: policy_step(model, micro, params, tok.pad_token_id),
+        "policy",
+        checkpoint=checkpoint_path(out),
+        inputs=input_digest(previous_dir, bc_dir, data_dir, advantage_dir),
+        run=params.train,
+    )
     elapsed = time.perf_counter() - start
     state = full_state(model)
 
@@ -78,4 +105,7 @@ def weight_stats(items: list, cfg) -> dict:
     tokens = torch.tensor([b - a for it in items for a, b in it.spans], dtype=torch.float)
     if not len(tokens):
         return {}
-    return {"weight_off_one_share": off_one_share(weights, tokens), "weight_mean": float((weights * tokens).sum() / tokens.sum())}
+    return {
+        "weight_off_one_share": off_one_share(weights, tokens),
+        "weight_mean": float((weights * tokens).sum() / tokens.sum()),
+    }

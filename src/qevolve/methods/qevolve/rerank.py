@@ -17,13 +17,28 @@ from qevolve.models.prompt import make_builder
 from qevolve.rollout import play_splits
 
 
-def rerank(params: Params, base_dir: Path, policy_dir: Path, critic_dir: Path, out: Path, metrics_path: Path, iteration: int, env_steps_path: Path) -> dict:
+def rerank(
+    params: Params,
+    base_dir: Path,
+    policy_dir: Path,
+    critic_dir: Path,
+    out: Path,
+    metrics_path: Path,
+    iteration: int,
+    env_steps_path: Path,
+) -> dict:
     """`rerank@k`: the evaluation episodes played by policy k-1 with Best-of-N under critic k (no update)."""
     torch.manual_seed(params.evaluate.seed)
     model, tok = load_policy(base_dir, params.model, adapter=policy_dir)
     critic, _ = load_critic(base_dir, params.model, critic_dir)
     actor = BestOfN(
-        model, tok, make_builder(params, tok, policy_dir), critic.eval(), params.rerank.best_of, params.rerank.temperature,
-        params.critic.micro_batch_size, torch.Generator().manual_seed(params.evaluate.seed),
+        model,
+        tok,
+        make_builder(params, tok, policy_dir),
+        critic.eval(),
+        params.rerank.best_of,
+        params.rerank.temperature,
+        params.critic.micro_batch_size,
+        torch.Generator().manual_seed(params.evaluate.seed),
     )
     return play_splits(params, actor, out, metrics_path, f"rerank@{iteration}", env_steps_path)

@@ -11,10 +11,19 @@ reading the `step_hrl` section; `policy@k` is its own."""
 from __future__ import annotations
 
 from qevolve import paths
-from qevolve.methods.step_hrl.config import SECTIONS  # its sections: their defaults are a dep of every stage of the method
+from qevolve.methods.step_hrl.config import (
+    SECTIONS,
+)  # its sections: their defaults are a dep of every stage of the method
 from qevolve.recipe import BUILDER_PARAMS, MODEL_PARAMS, TRAINED_POLICY, Recipe, Stage
-from qevolve.stages.hierarchical import (ANNOTATED, EVALUATE, acting_params, hierarchical_setup, hierarchical_stages, offline_data_params,
-                                         reward_params)
+from qevolve.stages.hierarchical import (
+    ANNOTATED,
+    EVALUATE,
+    acting_params,
+    hierarchical_setup,
+    hierarchical_stages,
+    offline_data_params,
+    reward_params,
+)
 
 HERE = __name__
 COMPAT = ("step_hrl.repo_compat",)
@@ -23,17 +32,40 @@ STAGES = hierarchical_stages("step_hrl", COMPAT)
 
 def _iteration(params, recipe: Recipe) -> tuple[Stage, ...]:
     return (
-        STAGES["collect"], STAGES["critic"],
-        Stage("policy", f"{HERE}.policy",
-              lambda k: {"base_dir": paths.BASE, "previous_dir": paths.policy(k - 1), "data_dir": ANNOTATED, "collected_dir": paths.collected(k),
-                         "advantage_dir": paths.advantages(k)},
-              lambda k: {"out": paths.policy(k)}, (*MODEL_PARAMS, *BUILDER_PARAMS, *offline_data_params("step_hrl"), "step_hrl.policy", "step_hrl.repo_compat"),
-              curve=("step", "loss"), logged=TRAINED_POLICY),
+        STAGES["collect"],
+        STAGES["critic"],
+        Stage(
+            "policy",
+            f"{HERE}.policy",
+            lambda k: {
+                "base_dir": paths.BASE,
+                "previous_dir": paths.policy(k - 1),
+                "data_dir": ANNOTATED,
+                "collected_dir": paths.collected(k),
+                "advantage_dir": paths.advantages(k),
+            },
+            lambda k: {"out": paths.policy(k)},
+            (
+                *MODEL_PARAMS,
+                *BUILDER_PARAMS,
+                *offline_data_params("step_hrl"),
+                "step_hrl.policy",
+                "step_hrl.repo_compat",
+            ),
+            curve=("step", "loss"),
+            logged=TRAINED_POLICY,
+        ),
         STAGES["diagnose"],
     )
 
 
-RECIPE = Recipe("step_hrl", _iteration, plays="collect", setup=hierarchical_setup(STAGES),
-                evaluate_module=EVALUATE, evaluate_params=(*acting_params("step_hrl"), *reward_params("step_hrl", COMPAT)),
-                seed_keys={"step_hrl.critic.seed": 1, "step_hrl.policy.seed": 1})
+RECIPE = Recipe(
+    "step_hrl",
+    _iteration,
+    plays="collect",
+    setup=hierarchical_setup(STAGES),
+    evaluate_module=EVALUATE,
+    evaluate_params=(*acting_params("step_hrl"), *reward_params("step_hrl", COMPAT)),
+    seed_keys={"step_hrl.critic.seed": 1, "step_hrl.policy.seed": 1},
+)
 __all__ = ["RECIPE", "SECTIONS"]

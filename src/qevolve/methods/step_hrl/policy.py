@@ -16,17 +16,32 @@ from qevolve.algos.losses import sequence_logprobs
 from qevolve.algos.rl import advantage_pg_loss, awr_loss, off_one_share
 from qevolve.config import Params
 from qevolve.hierarchy.roles import ROLES, encode
-from qevolve.hierarchy.shared import advantage_of, load_roles_policy, read_advantages, role_builder, role_groups, save_roles_policy, training_sets
+from qevolve.hierarchy.shared import (
+    advantage_of,
+    load_roles_policy,
+    read_advantages,
+    role_builder,
+    role_groups,
+    save_roles_policy,
+    training_sets,
+)
 from qevolve.models.base import target_logprobs
-from qevolve.models.device import model_device
+from qevolve.models.device import model_device, pad_ids
 from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, save_and_report, train
-from qevolve.models.device import pad_ids
 
 Item = tuple[str, list[int], list[int], float]
 """(role, ids, mask over the output, advantage)."""
 
 
-def actor_step(model, micro: list[list[Item]], beta: float, max_weight: float, repo_compat: bool, pad_id: int, separate: bool = False) -> dict:
+def actor_step(
+    model,
+    micro: list[list[Item]],
+    beta: float,
+    max_weight: float,
+    repo_compat: bool,
+    pad_id: int,
+    separate: bool = False,
+) -> dict:
     total = sum(len(mb) for mb in micro)
     device = model_device(model)
     sums = {"loss": 0.0, "logp": 0.0}
@@ -36,15 +51,28 @@ def actor_step(model, micro: list[list[Item]], beta: float, max_weight: float, r
             mask, _ = pad_ids([m for _, _, m, _ in group], 0, device)
             adv = torch.tensor([a for *_, a in group], device=device)
             logp = sequence_logprobs(target_logprobs(model, ids, mask, attention_mask=attn), mask)
-            loss = (advantage_pg_loss(logp, adv) if repo_compat else awr_loss(logp, adv, beta, max_weight)) * len(group) / total
+            loss = (
+                (advantage_pg_loss(logp, adv) if repo_compat else awr_loss(logp, adv, beta, max_weight))
+                * len(group)
+                / total
+            )
             loss.backward()
             sums["loss"] += loss.item()
             sums["logp"] += logp.detach().sum().item() / total
     return sums
 
 
-def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, collected_dir: Path, advantage_dir: Path, out: Path,
-           metrics_path: Path, curve_path: Path) -> dict:
+def policy(
+    params: Params,
+    base_dir: Path,
+    previous_dir: Path,
+    data_dir: Path,
+    collected_dir: Path,
+    advantage_dir: Path,
+    out: Path,
+    metrics_path: Path,
+    curve_path: Path,
+) -> dict:
     cfg, hrl = params.step_hrl.policy, params.step_hrl
     sets = training_sets(params, data_dir, collected_dir)
     advantages = read_advantages(advantage_dir)
@@ -54,12 +82,26 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
     for role in ROLES:
         for r in sets[role]:
             a = advantage_of(advantages, advantage_dir, role, r)
-            items.append((role, *encode(builder, r["state_text"], r["output_text"]), (1.0 if hrl.repo_compat else 0.0) if cfg.constant_advantage else a))
+            items.append(
+                (
+                    role,
+                    *encode(builder, r["state_text"], r["output_text"]),
+                    (1.0 if hrl.repo_compat else 0.0) if cfg.constant_advantage else a,
+                )
+            )
     weights = torch.exp(torch.tensor([a for *_, a in items]) / cfg.beta).clamp(max=cfg.max_weight)
     start = time.perf_counter()
-    curve = train(model, items, cfg, lambda it: len(it[1]),
-                  lambda micro: actor_step(model, micro, cfg.beta, cfg.max_weight, hrl.repo_compat, tok.pad_token_id, separate), "policy",
-                  checkpoint=checkpoint_path(out), inputs=input_digest(previous_dir, data_dir, collected_dir, advantage_dir), run=params.train)
+    curve = train(
+        model,
+        items,
+        cfg,
+        lambda it: len(it[1]),
+        lambda micro: actor_step(model, micro, cfg.beta, cfg.max_weight, hrl.repo_compat, tok.pad_token_id, separate),
+        "policy",
+        checkpoint=checkpoint_path(out),
+        inputs=input_digest(previous_dir, data_dir, collected_dir, advantage_dir),
+        run=params.train,
+    )
     elapsed = time.perf_counter() - start
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),
@@ -69,9 +111,20 @@ def policy(params: Params, base_dir: Path, previous_dir: Path, data_dir: Path, c
         "examples": len(items),
         "weight_mean": float(weights.mean()),
         "weight_clipped": float((weights >= cfg.max_weight).float().mean()),
-        "weight_off_one_share": off_one_share(weights, torch.tensor([r["output_tokens"] for role in ROLES for r in sets[role]])),
+        "weight_off_one_share": off_one_share(
+            weights, torch.tensor([r["output_tokens"] for role in ROLES for r in sets[role]])
+        ),
         "repo_compat": hrl.repo_compat,
         "constant_advantage": cfg.constant_advantage,
     }
-    return save_and_report(lambda: save_roles_policy(model, out, previous_dir), metrics, model, curve, elapsed, params.train, out,
-                           metrics_path, curve_path)
+    return save_and_report(
+        lambda: save_roles_policy(model, out, previous_dir),
+        metrics,
+        model,
+        curve,
+        elapsed,
+        params.train,
+        out,
+        metrics_path,
+        curve_path,
+    )

@@ -18,7 +18,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from qevolve import paths
-from qevolve.methods.terminaltraj.config import INSTANCES, SECTIONS  # its sections: their defaults are a dep of every stage of the method
+from qevolve.methods.terminaltraj.config import (
+    INSTANCES,
+    SECTIONS,
+)  # its sections: their defaults are a dep of every stage of the method
 from qevolve.recipe import SETUP, Stage, load_recipe
 
 HERE = __name__
@@ -26,19 +29,54 @@ ROLLOUTS, VERIFIED = Path("data/teacher"), Path("data/verify")
 _base, _bc = (s for s in SETUP if s.name in ("base", "bc"))
 
 RECIPE = replace(
-    load_recipe("qevolve"), name="terminaltraj", demonstrations="teacher",
+    load_recipe("qevolve"),
+    name="terminaltraj",
+    demonstrations="teacher",
     seed_keys={**load_recipe("qevolve").seed_keys, "terminaltraj.filter.seed": 1},
-    smoke={"env": {"name": "terminal", "data_dir": "data/instances"}, "experts": {"demos": {"oracle": 1}}, "policy": {"action_mode": "free"},
-           "evaluate": {"splits": {"test": 0}}},
+    smoke={
+        "env": {"name": "terminal", "data_dir": "data/instances"},
+        "experts": {"demos": {"oracle": 1}},
+        "policy": {"action_mode": "free"},
+        "evaluate": {"splits": {"test": 0}},
+    },
     setup=(
-        Stage("generate", f"{HERE}.generate", lambda k: {}, lambda k: {"out": Path(INSTANCES)}, ("env.max_steps", "env.terminal", "terminaltraj.generate"),
-              once=True, details=True, path_params=("terminaltraj.generate.sources",)),
-        Stage("teacher", f"{HERE}.teacher", lambda k: {"instances_dir": Path(INSTANCES)}, lambda k: {"out": ROLLOUTS},
-              ("env.max_steps", "env.terminal", "terminaltraj.teacher"), once=True),
-        Stage("verify", f"{HERE}.verify", lambda k: {"rollouts_dir": ROLLOUTS}, lambda k: {"out": VERIFIED}, ("terminaltraj.judge",), once=True),
-        Stage("filter", f"{HERE}.filter", lambda k: {"rollouts_dir": ROLLOUTS, "verify_dir": VERIFIED, "generate_metrics": paths.metrics("generate")},
-              lambda k: {"out": paths.EXPERTS}, ("terminaltraj.filter",), once=True, curve=("count", "row", "bar_horizontal")),
-        _base, _bc,
+        Stage(
+            "generate",
+            f"{HERE}.generate",
+            lambda k: {},
+            lambda k: {"out": Path(INSTANCES)},
+            ("env.max_steps", "env.terminal", "terminaltraj.generate"),
+            once=True,
+            details=True,
+            path_params=("terminaltraj.generate.sources",),
+        ),
+        Stage(
+            "teacher",
+            f"{HERE}.teacher",
+            lambda k: {"instances_dir": Path(INSTANCES)},
+            lambda k: {"out": ROLLOUTS},
+            ("env.max_steps", "env.terminal", "terminaltraj.teacher"),
+            once=True,
+        ),
+        Stage(
+            "verify",
+            f"{HERE}.verify",
+            lambda k: {"rollouts_dir": ROLLOUTS},
+            lambda k: {"out": VERIFIED},
+            ("terminaltraj.judge",),
+            once=True,
+        ),
+        Stage(
+            "filter",
+            f"{HERE}.filter",
+            lambda k: {"rollouts_dir": ROLLOUTS, "verify_dir": VERIFIED, "generate_metrics": paths.metrics("generate")},
+            lambda k: {"out": paths.EXPERTS},
+            ("terminaltraj.filter",),
+            once=True,
+            curve=("count", "row", "bar_horizontal"),
+        ),
+        _base,
+        _bc,
     ),
 )
 __all__ = ["RECIPE", "SECTIONS"]

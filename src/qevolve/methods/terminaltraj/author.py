@@ -21,8 +21,36 @@ from pathlib import Path
 from qevolve.envs.terminal_tasks import Spec, write_task
 from qevolve.llm import LLMError, chat, json_content
 
-TEXT = {".md", ".rst", ".txt", ".sh", ".py", ".toml", ".cfg", ".ini", ".json", ".yaml", ".yml", ".csv", ".sql", ".js", ".ts", ".go",
-        ".c", ".h", ".cpp", ".hpp", ".java", ".php", ".html", ".rb", ".rs", ".pl", ".r", ".mk"}
+TEXT = {
+    ".md",
+    ".rst",
+    ".txt",
+    ".sh",
+    ".py",
+    ".toml",
+    ".cfg",
+    ".ini",
+    ".json",
+    ".yaml",
+    ".yml",
+    ".csv",
+    ".sql",
+    ".js",
+    ".ts",
+    ".go",
+    ".c",
+    ".h",
+    ".cpp",
+    ".hpp",
+    ".java",
+    ".php",
+    ".html",
+    ".rb",
+    ".rs",
+    ".pl",
+    ".r",
+    ".mk",
+}
 NAMED = {"Makefile", "Dockerfile", "README", "LICENSE", "requirements.txt"}
 SKIP = {".git", "__pycache__", "node_modules", ".venv", "venv"}
 
@@ -36,16 +64,22 @@ commands ran. It must fail before the task is done and pass after. It runs from 
 - "solution": the shell commands that do the task, one per item, each non-interactive.
 - "mistakes": for each solution command, a list of plausible wrong commands an agent might run in its place (may be empty).
 - "domain": one or two words, e.g. "data processing", "sql", "build".
-- "difficulty": "easy", "medium" or "hard"."""
+- "difficulty": "easy", "medium" or "hard"."""  # noqa: E501 - the prompt's words as the model reads them
 
 
 class AuthorError(LLMError):
-    hint = "terminaltraj.generate.url must be the base of an OpenAI-compatible server (…/v1) that answers /chat/completions"
+    hint = (
+        "terminaltraj.generate.url must be the base of an OpenAI-compatible server (…/v1) that answers "
+        "/chat/completions"
+    )
 
 
 def repositories(sources: Path) -> list[Path]:
     if not sources.is_dir():
-        raise AuthorError(f"terminaltraj.generate.sources = {str(sources)!r}: not a folder (expected one sub-folder per source repository)")
+        raise AuthorError(
+            f"terminaltraj.generate.sources = {str(sources)!r}: not a folder (expected one sub-folder per source "
+            f"repository)"
+        )
     repos = sorted(p for p in sources.iterdir() if p.is_dir() and p.name not in SKIP and not p.name.startswith("."))
     if not repos:
         raise AuthorError(f"terminaltraj.generate.sources = {str(sources)!r}: no repository sub-folders in it")
@@ -55,7 +89,7 @@ def repositories(sources: Path) -> list[Path]:
 def _files(repo: Path) -> list[Path]:
     """The repository's files, links left out: what a link leads to (a host file) is never read or copied."""
     out = []
-    for top, dirs, files in os.walk(repo):  # links to folders are listed, not entered
+    for top, _dirs, files in os.walk(repo):  # links to folders are listed, not entered
         for name in files:
             path = Path(top) / name
             if not path.is_symlink() and path.is_file() and not SKIP & set(path.relative_to(repo).parts):
@@ -111,21 +145,40 @@ def parse(answer: str, repository: str) -> Spec:
     mistakes = [_strings(m, "mistakes[]") if m else [] for m in mistakes]
     domain = re.sub(r"[^a-z0-9]+", "-", str(data.get("domain") or "repository").lower()).strip("-") or "repository"
     difficulty = data.get("difficulty") if data.get("difficulty") in ("easy", "medium", "hard") else "medium"
-    return Spec(repository, data["instruction"].strip(), {}, data["tests"], solution, mistakes, difficulty=difficulty, extra={"domain": domain})
+    return Spec(
+        repository,
+        data["instruction"].strip(),
+        {},
+        data["tests"],
+        solution,
+        mistakes,
+        difficulty=difficulty,
+        extra={"domain": domain},
+    )
 
 
 def author(cfg, repo: Path, text: str, attempt: int, folder: Path) -> str:
     """Ask for a task on `repo` and write it to `folder`: '' when written, 'unusable' when the answer is not
     a task (the folder is then not made). A server that does not answer is an `AuthorError`."""
-    user = f"{text}\n\nWrite task number {attempt + 1} for this repository; make it different from an obvious first one when the number is above 1."
-    answer = chat(cfg.url, cfg.model, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
-                  key="terminaltraj.generate.url", temperature=cfg.temperature, timeout=cfg.timeout_s, error=AuthorError)
+    user = (
+        f"{text}\n\nWrite task number {attempt + 1} for this repository; make it different from an obvious "
+        f"first one when the number is above 1."
+    )
+    answer = chat(
+        cfg.url,
+        cfg.model,
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+        key="terminaltraj.generate.url",
+        temperature=cfg.temperature,
+        timeout=cfg.timeout_s,
+        error=AuthorError,
+    )
     try:
         spec = parse(answer, repo.name)
     except ValueError:
         return "unusable"
     write_task(spec, folder)
     shutil.copytree(repo, folder / "environment", dirs_exist_ok=True, ignore=_skipped)
-    source = f'\n[source]\nrepository = {json.dumps(repo.name)}\ndomain = {json.dumps(spec.extra["domain"])}\n'
+    source = f"\n[source]\nrepository = {json.dumps(repo.name)}\ndomain = {json.dumps(spec.extra['domain'])}\n"
     (folder / "task.toml").write_text((folder / "task.toml").read_text() + source)
     return ""

@@ -24,7 +24,9 @@ class GenerateConfig(Section):
     `test_share` (by a hash of the task id) and to `train` otherwise."""
 
     kind: Literal["templates", "llm"] = "templates"
-    families: list[str] = Field(default_factory=lambda: ["files", "text", "csv", "json", "archive", "python", "sqlite", "service"], min_length=1)
+    families: list[str] = Field(
+        default_factory=lambda: ["files", "text", "csv", "json", "archive", "python", "sqlite", "service"], min_length=1
+    )
     held_out: list[str] = Field(default_factory=lambda: ["sqlite", "service"])
     per_family: int = Field(25, gt=0)
     test_share: float = Field(0.2, ge=0, lt=1)
@@ -57,7 +59,7 @@ class GenerateConfig(Section):
         return v
 
     @model_validator(mode="after")
-    def _sources(self) -> "GenerateConfig":
+    def _sources(self) -> GenerateConfig:
         if self.kind == "llm" and not self.sources:
             raise ValueError("sources: generate `llm` reads source repositories; set the folder that holds them")
         return self
@@ -117,11 +119,19 @@ def check(params) -> None:
     if params.method != "terminaltraj":
         return
     if params.env.name != "terminal":
-        raise ValueError(f"env.name: TerminalTraj trains terminal agents; use env.name: terminal, got {params.env.name!r}")
+        raise ValueError(
+            f"env.name: TerminalTraj trains terminal agents; use env.name: terminal, got {params.env.name!r}"
+        )
     if params.env.data_dir != INSTANCES:
-        raise ValueError(f"env.data_dir: under TerminalTraj the tasks are the ones `generate` writes; set env.data_dir: {INSTANCES}, "
-                         f"got {params.env.data_dir!r}")
+        raise ValueError(
+            f"env.data_dir: under TerminalTraj the tasks are the ones `generate` writes; set env.data_dir: "
+            f"{INSTANCES}, "
+            f"got {params.env.data_dir!r}"
+        )
     for name in ("generate", "teacher", "judge"):
         cfg = getattr(params.terminaltraj, name)
         if cfg.kind == "llm" and not cfg.url.startswith(("http://", "https://")):
-            raise ValueError(f"terminaltraj.{name}.url: {name} `llm` needs the http(s) URL of an OpenAI-compatible server (…/v1), got {cfg.url!r}")
+            raise ValueError(
+                f"terminaltraj.{name}.url: {name} `llm` needs the http(s) URL of an OpenAI-compatible server "
+                f"(…/v1), got {cfg.url!r}"
+            )

@@ -16,7 +16,6 @@ from qevolve.data.atomic import write_json
 from qevolve.data.store import read_store, write_store
 from qevolve.methods.terminaltraj.config import LABELS, REJECTIONS
 
-
 FUNNEL = ("generated", "passed_gate", "train_tasks", "rollouts", "verified", "kept")
 """The funnel's rows; beside them the gate's rejections by reason."""
 
@@ -24,11 +23,17 @@ FUNNEL = ("generated", "passed_gate", "train_tasks", "rollouts", "verified", "ke
 def funnel(generated: dict, trajs: list, kept: list) -> tuple[dict, dict]:
     """The funnel in total and per family: row -> count, and `<row>_rate` (its share of the row before).
     `generated`: `generate`'s metrics (its `by_family` counts)."""
+
     def rows(gen: dict, family: str | None) -> dict:
         mine = [t for t in trajs if family in (None, t.task_type)]
-        counts = {"generated": gen.get("generated", 0), "passed_gate": sum(gen.get(s, 0) for s in ("train", "test", "test_ood")),
-                  "train_tasks": gen.get("train", 0), "rollouts": len(mine), "verified": sum(t.won for t in mine),
-                  "kept": sum(family in (None, t.task_type) for t in kept)}
+        counts = {
+            "generated": gen.get("generated", 0),
+            "passed_gate": sum(gen.get(s, 0) for s in ("train", "test", "test_ood")),
+            "train_tasks": gen.get("train", 0),
+            "rollouts": len(mine),
+            "verified": sum(t.won for t in mine),
+            "kept": sum(family in (None, t.task_type) for t in kept),
+        }
         out = dict(counts)
         for before, row in zip(FUNNEL, FUNNEL[1:]):
             out[f"{row}_rate"] = counts[row] / counts[before] if counts[before] else float("nan")
@@ -41,14 +46,24 @@ def funnel(generated: dict, trajs: list, kept: list) -> tuple[dict, dict]:
     return rows(total, None), by_family
 
 
-def filter(params: Params, rollouts_dir: Path, verify_dir: Path, generate_metrics: Path, out: Path, metrics_path: Path,  # noqa: A001 - the stage's name
-           curve_path: Path) -> dict:
+def filter(
+    params: Params,
+    rollouts_dir: Path,
+    verify_dir: Path,
+    generate_metrics: Path,
+    out: Path,
+    metrics_path: Path,  # noqa: A001 - the stage's name
+    curve_path: Path,
+) -> dict:
     cfg = params.terminaltraj.filter
     labels = json.loads((Path(verify_dir) / LABELS).read_text())
     trajs = read_store(rollouts_dir)
     missing = [t.trajectory_id for t in trajs if t.trajectory_id not in labels]
     if missing:
-        raise ValueError(f"{Path(verify_dir) / LABELS}: no labels for {len(missing)} rollouts of {rollouts_dir} (e.g. {missing[0]}); rerun `verify`")
+        raise ValueError(
+            f"{Path(verify_dir) / LABELS}: no labels for {len(missing)} rollouts of {rollouts_dir} (e.g. "
+            f"{missing[0]}); rerun `verify`"
+        )
     kept = [t for t in trajs if cfg.keep == "none" or labels[t.trajectory_id][cfg.keep]]
     if cfg.n and cfg.n < len(kept):
         kept = sorted(random.Random(cfg.seed).sample(kept, cfg.n), key=lambda t: (t.task_id, t.trajectory_id))
@@ -57,8 +72,15 @@ def filter(params: Params, rollouts_dir: Path, verify_dir: Path, generate_metric
     write_store(out, kept)
     total, by_family = funnel(json.loads(Path(generate_metrics).read_text()), trajs, kept)
     write_json(curve_path, [{"row": f"{i + 1}. {row}", "count": total[row]} for i, row in enumerate(FUNNEL)])
-    metrics = {"rollouts": len(trajs), "kept": len(kept), "keep": cfg.keep, "kept_validator_passed": sum(t.won for t in kept) / len(kept),
-               "tasks": len({t.task_id for t in kept}), "cumulative_env_steps": sum(len(t.steps) for t in trajs),
-               "funnel": total, "funnel_by_family": by_family}
+    metrics = {
+        "rollouts": len(trajs),
+        "kept": len(kept),
+        "keep": cfg.keep,
+        "kept_validator_passed": sum(t.won for t in kept) / len(kept),
+        "tasks": len({t.task_id for t in kept}),
+        "cumulative_env_steps": sum(len(t.steps) for t in trajs),
+        "funnel": total,
+        "funnel_by_family": by_family,
+    }
     write_json(metrics_path, metrics)
     return metrics

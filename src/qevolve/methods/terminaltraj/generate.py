@@ -46,7 +46,10 @@ def _from_sources(cfg) -> Iterator[Candidate]:
     repos = repositories(Path(cfg.sources))
     unknown = sorted(set(cfg.held_out) - {r.name for r in repos})
     if unknown:
-        raise AuthorError(f"terminaltraj.generate.held_out: {unknown} name no repository in {cfg.sources} (under `llm` it lists repositories)")
+        raise AuthorError(
+            f"terminaltraj.generate.held_out: {unknown} name no repository in {cfg.sources} (under `llm` it lists "
+            f"repositories)"
+        )
     for repo in repos:
         text = context(repo, cfg.max_source_chars)
         for i in range(cfg.per_source):
@@ -80,7 +83,9 @@ def generate(params: Params, out: Path, metrics_path: Path, details_path: Path) 
     total = sum(funnel.values(), Counter())
     passed = total["train"] + total["test"] + total["test_ood"]
     metrics = {
-        "generated": total["generated"], "passed_gate": passed, "gate_pass_rate": passed / max(total["generated"], 1),
+        "generated": total["generated"],
+        "passed_gate": passed,
+        "gate_pass_rate": passed / max(total["generated"], 1),
         **{f"rejected_{why}": total[why] for why in REJECTIONS},
         **{f"{split}_tasks": total[split] for split in ("train", "test", "test_ood")},
         "by_family": {f: dict(c) for f, c in funnel.items()},

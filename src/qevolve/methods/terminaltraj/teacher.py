@@ -24,9 +24,11 @@ from qevolve.llm import chat
 from qevolve.models.prompt import format_action
 
 VALIDATOR = "validator.json"
-SYSTEM = ("You operate a bash shell in a Linux sandbox, in its working directory /app, to complete the user's task. "
-          "Each turn, reply with exactly one shell command in a ```bash code block; you will see its output and exit status. "
-          f"When the task is complete, reply with the single word `{SUBMIT}`.")
+SYSTEM = (
+    "You operate a bash shell in a Linux sandbox, in its working directory /app, to complete the user's task. "
+    "Each turn, reply with exactly one shell command in a ```bash code block; you will see its output and exit status. "
+    f"When the task is complete, reply with the single word `{SUBMIT}`."
+)
 FENCE = re.compile(r"```(?:bash|sh|shell)?[ \t]*\n(.*?)```", re.S)
 
 
@@ -39,17 +41,28 @@ def command_of(reply: str) -> str:
 
 
 class LLMTeacher:
-    """A chat model playing one episode: the system prompt, the task and the first screen, then each command's output."""
+    """A chat model playing one episode: the system prompt, the task and the first screen, then each command's
+    output."""
 
     def __init__(self, cfg):
         self.cfg, self.messages = cfg, []
 
     def __call__(self, observation: str, instruction: str | None = None) -> str:
         if instruction is not None:
-            self.messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Task:\n{instruction}\n\n{observation}"}]
+            self.messages = [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Task:\n{instruction}\n\n{observation}"},
+            ]
         else:
             self.messages.append({"role": "user", "content": observation})
-        reply = chat(self.cfg.url, self.cfg.model, self.messages, key="terminaltraj.teacher.url", temperature=self.cfg.temperature, max_tokens=512)
+        reply = chat(
+            self.cfg.url,
+            self.cfg.model,
+            self.messages,
+            key="terminaltraj.teacher.url",
+            temperature=self.cfg.temperature,
+            max_tokens=512,
+        )
         self.messages.append({"role": "assistant", "content": reply})
         return command_of(reply)
 
@@ -63,8 +76,19 @@ def play(env: TerminalEnv, task, teacher) -> Trajectory:
     for t in range(len(plan) if plan is not None else env.max_steps):
         action = plan[t] if plan is not None else teacher(obs, first.instruction if t == 0 else None)
         r = env.step(action)
-        traj.steps.append(StepRecord(step=t, observation=obs, output=format_action(action), action=action, next_observation=r.observation,
-                                     reward=r.reward, done=r.done, won=r.won, valid=r.valid))
+        traj.steps.append(
+            StepRecord(
+                step=t,
+                observation=obs,
+                output=format_action(action),
+                action=action,
+                next_observation=r.observation,
+                reward=r.reward,
+                done=r.done,
+                won=r.won,
+                valid=r.valid,
+            )
+        )
         obs = r.observation
         if r.done:
             traj.won, traj.failure = r.won, "" if r.won else "done"
@@ -77,10 +101,15 @@ def teacher(params: Params, instances_dir: Path, out: Path, metrics_path: Path) 
     cfg = params.terminaltraj.teacher
     env = TerminalEnv(str(instances_dir), params.env.terminal, params.env.max_steps)
     tasks = env.tasks("train")
-    without = [t.id for t in tasks if not has_oracle(Path(instances_dir) / t.split / t.id)] if cfg.kind == "scripted" else []
+    without = (
+        [t.id for t in tasks if not has_oracle(Path(instances_dir) / t.split / t.id)] if cfg.kind == "scripted" else []
+    )
     if without:
-        raise TaskError(f"{instances_dir}/train: {len(without)} validator-only tasks (no {ORACLE}: {', '.join(without[:3])}); the scripted "
-                        "teacher (terminaltraj.teacher.kind: scripted) plays a task's oracle: use kind `llm` for them")
+        raise TaskError(
+            f"{instances_dir}/train: {len(without)} validator-only tasks (no {ORACLE}: {', '.join(without[:3])}); "
+            f"the scripted "
+            "teacher (terminaltraj.teacher.kind: scripted) plays a task's oracle: use kind `llm` for them"
+        )
     trajs, tests = [], {}
     try:
         for task, r in tqdm([(t, r) for t in tasks for r in range(cfg.rollouts)], desc="teacher", unit="ep"):
@@ -88,11 +117,22 @@ def teacher(params: Params, instances_dir: Path, out: Path, metrics_path: Path) 
                 traj = play(env, task, LLMTeacher(cfg))
             else:
                 folder = Path(instances_dir) / task.split / task.id / "solution"
-                mistakes = json.loads((folder / "mistakes.json").read_text()) if (folder / "mistakes.json").is_file() else []
-                plan = teacher_plan(oracle_steps((folder / "solve.sh").read_text()), mistakes, random.Random(f"{cfg.seed}:{task.id}:{r}"), cfg.p_err, cfg.p_fix)
+                mistakes = (
+                    json.loads((folder / "mistakes.json").read_text()) if (folder / "mistakes.json").is_file() else []
+                )
+                plan = teacher_plan(
+                    oracle_steps((folder / "solve.sh").read_text()),
+                    mistakes,
+                    random.Random(f"{cfg.seed}:{task.id}:{r}"),
+                    cfg.p_err,
+                    cfg.p_fix,
+                )
                 traj = play(env, task, plan)
             trajs.append(traj)
-            tests[traj.trajectory_id] = {"tests_passed": env.info.get("tests_passed", 0), "tests_total": env.info.get("tests_total", 0)}
+            tests[traj.trajectory_id] = {
+                "tests_passed": env.info.get("tests_passed", 0),
+                "tests_total": env.info.get("tests_total", 0),
+            }
     finally:
         env.close()
     with atomic_dir(out) as tmp:
@@ -101,7 +141,10 @@ def teacher(params: Params, instances_dir: Path, out: Path, metrics_path: Path) 
     by_family = Counter(t.task_type for t in trajs)
     won = Counter(t.task_type for t in trajs if t.won)
     metrics = {
-        "rollouts": len(trajs), "tasks": len(tasks), "verified": sum(won.values()), "verified_rate": sum(won.values()) / max(len(trajs), 1),
+        "rollouts": len(trajs),
+        "tasks": len(tasks),
+        "verified": sum(won.values()),
+        "verified_rate": sum(won.values()) / max(len(trajs), 1),
         "mean_steps": sum(len(t.steps) for t in trajs) / max(len(trajs), 1),
         "cumulative_env_steps": sum(len(t.steps) for t in trajs),
         "verified_rate_by_family": {f: won[f] / n for f, n in sorted(by_family.items())},

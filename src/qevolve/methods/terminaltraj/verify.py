@@ -28,8 +28,11 @@ OUTPUT_CHARS = 2000
 def transcript(t: Trajectory) -> str:
     lines = []
     for s in t.steps:
-        out = s.next_observation if len(s.next_observation) <= OUTPUT_CHARS else (
-            s.next_observation[: OUTPUT_CHARS // 2] + "\n[...]\n" + s.next_observation[-OUTPUT_CHARS // 2:])
+        out = (
+            s.next_observation
+            if len(s.next_observation) <= OUTPUT_CHARS
+            else (s.next_observation[: OUTPUT_CHARS // 2] + "\n[...]\n" + s.next_observation[-OUTPUT_CHARS // 2 :])
+        )
         lines += [f"$ {s.action}", out]
     return "\n".join(lines)
 
@@ -37,15 +40,22 @@ def transcript(t: Trajectory) -> str:
 def llm_judge(cfg, t: Trajectory) -> tuple[bool, str]:
     """A chat model's verdict on one rollout: (accepted, its reason)."""
     key = "terminaltraj.judge.url"
-    content = chat(cfg.url, cfg.model, [{"role": "user", "content": JUDGE_PROMPT.format(instruction=t.instruction, transcript=transcript(t))}], key=key)
+    content = chat(
+        cfg.url,
+        cfg.model,
+        [{"role": "user", "content": JUDGE_PROMPT.format(instruction=t.instruction, transcript=transcript(t))}],
+        key=key,
+    )
     try:
         answer = json_content(content)
         verdict = str(answer["verdict"]).strip().lower()
         if verdict not in ("pass", "fail"):
             raise ValueError(f"verdict {verdict!r}")
     except (ValueError, KeyError, TypeError) as err:
-        raise LLMError(f"{key} = {cfg.url!r}: the verdict on rollout {t.trajectory_id} is not the JSON asked for, "
-                       f'{{"verdict": "pass"|"fail", "reason": ...}} ({err}): {content[:300]!r}') from None
+        raise LLMError(
+            f"{key} = {cfg.url!r}: the verdict on rollout {t.trajectory_id} is not the JSON asked for, "
+            f'{{"verdict": "pass"|"fail", "reason": ...}} ({err}): {content[:300]!r}'
+        ) from None
     return verdict == "pass", str(answer.get("reason", ""))[:300]
 
 
@@ -56,11 +66,17 @@ def verify(params: Params, rollouts_dir: Path, out: Path, metrics_path: Path) ->
         if cfg.kind == "llm":
             accepted, reason = llm_judge(cfg, t)
         else:
-            accepted, reason = transcript_judge([s.next_observation for s in t.steps], [s.action for s in t.steps], cfg.window)
+            accepted, reason = transcript_judge(
+                [s.next_observation for s in t.steps], [s.action for s in t.steps], cfg.window
+            )
         labels[t.trajectory_id] = {"validator": t.won, "judge": accepted, "judge_reason": reason, "family": t.task_type}
     with atomic_dir(out) as tmp:
         write_json(tmp / LABELS, labels)
-    metrics = {"trajectories": len(labels), **confusion([(x["validator"], x["judge"]) for x in labels.values()]), "judge": cfg.kind}
+    metrics = {
+        "trajectories": len(labels),
+        **confusion([(x["validator"], x["judge"]) for x in labels.values()]),
+        "judge": cfg.kind,
+    }
     write_json(metrics_path, metrics)
     return metrics
 
@@ -71,6 +87,12 @@ def confusion(pairs: list[tuple[bool, bool]]) -> dict:
     fp = sum(j and not v for v, j in pairs)
     fn = sum(v and not j for v, j in pairs)
     tn = len(pairs) - tp - fp - fn
-    return {"true_positives": tp, "false_positives": fp, "false_negatives": fn, "true_negatives": tn,
-            "precision": tp / (tp + fp) if tp + fp else float("nan"), "recall": tp / (tp + fn) if tp + fn else float("nan"),
-            "false_positive_rate": fp / (fp + tn) if fp + tn else float("nan")}
+    return {
+        "true_positives": tp,
+        "false_positives": fp,
+        "false_negatives": fn,
+        "true_negatives": tn,
+        "precision": tp / (tp + fp) if tp + fp else float("nan"),
+        "recall": tp / (tp + fn) if tp + fn else float("nan"),
+        "false_positive_rate": fp / (fp + tn) if fp + tn else float("nan"),
+    }

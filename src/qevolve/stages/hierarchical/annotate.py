@@ -11,12 +11,12 @@ from tqdm import tqdm
 from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import read_store
-from qevolve.hierarchy.transitions import write_transitions
 from qevolve.envs import check_tasks, make_env
 from qevolve.hierarchy.annotators import check_subtasks, llm_labels, rule_labels
 from qevolve.hierarchy.config import section, section_name
 from qevolve.hierarchy.roles import ROLES, encode, transitions
 from qevolve.hierarchy.shared import role_builder, role_prompts
+from qevolve.hierarchy.transitions import write_transitions
 from qevolve.models.base import load_tokenizer
 
 
@@ -35,8 +35,14 @@ def annotate(params: Params, experts_dir: Path, base_dir: Path, out: Path, metri
     subtasks = 0
     for t in tqdm(trajs, desc="annotate", unit="traj"):
         key = f"{section_name(params)}.llm_url"
-        labels = llm_labels(cfg.llm_url, cfg.llm_model, t, key=key) if cfg.annotator == "llm" else rule_labels(params.env.name, t)
-        check_subtasks(params.env.name, t, labels, f"{key} = {cfg.llm_url!r}" if cfg.annotator == "llm" else "the rule annotator")
+        labels = (
+            llm_labels(cfg.llm_url, cfg.llm_model, t, key=key)
+            if cfg.annotator == "llm"
+            else rule_labels(params.env.name, t)
+        )
+        check_subtasks(
+            params.env.name, t, labels, f"{key} = {cfg.llm_url!r}" if cfg.annotator == "llm" else "the rule annotator"
+        )
         subtasks += labels[-1].subtask_index + 1
         for role, rows in transitions(t, labels, prompts, cfg.compat_rejections, cfg.rejected_penalty).items():
             sets[role] += rows
@@ -48,8 +54,11 @@ def annotate(params: Params, experts_dir: Path, base_dir: Path, out: Path, metri
         "steps_per_subtask": len(low) / max(subtasks, 1),
         "distinct_subtasks": len({h.output_text for h in high}),
         **{f"{role}_transitions": len(rows) for role, rows in sets.items()},
-        **{f"{role}_prompt_tokens_mean": sum(len(encode(builder, r.state_text, "")[0]) for r in rows) / len(rows)
-           for role, rows in sets.items() if rows},
+        **{
+            f"{role}_prompt_tokens_mean": sum(len(encode(builder, r.state_text, "")[0]) for r in rows) / len(rows)
+            for role, rows in sets.items()
+            if rows
+        },
     }
     write_json(metrics_path, metrics)
     return metrics

@@ -14,15 +14,25 @@ import torch
 from qevolve.algos.losses import sequence_logprobs
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir
-from qevolve.hierarchy.transitions import read_transitions
 from qevolve.hierarchy.config import section
 from qevolve.hierarchy.roles import ROLES, encode
 from qevolve.hierarchy.shared import role_builder, role_groups, role_names, role_prompts, write_roles
+from qevolve.hierarchy.transitions import read_transitions
 from qevolve.models.base import target_logprobs
-from qevolve.models.device import model_device
+from qevolve.models.device import model_device, pad_ids
 from qevolve.models.policy import load_policy, save_adapters
-from qevolve.models.device import pad_ids
-from qevolve.training import checkpoint_path, full_state, input_digest, is_sharded, last_epoch_mean, loading_config, local_share, save_and_report, shard, train
+from qevolve.training import (
+    checkpoint_path,
+    full_state,
+    input_digest,
+    is_sharded,
+    last_epoch_mean,
+    loading_config,
+    local_share,
+    save_and_report,
+    shard,
+    train,
+)
 
 Item = tuple[str, list[int], list[int], float]
 """(role, ids, mask over the output's tokens, weight of the output's loss)."""
@@ -54,23 +64,36 @@ def bc(params: Params, base_dir: Path, data_dir: Path, out: Path, metrics_path: 
         raise ValueError(f"{data_dir}: no annotated transitions to clone")
     hrl = section(params)
     adapters, progress = hrl.adapters, bool(sets["progress"])
-    model, tok = load_policy(base_dir, loading_config(params.model, params.train), names=role_names(adapters, progress),
-                           seed=cfg.seed)
+    model, tok = load_policy(
+        base_dir, loading_config(params.model, params.train), names=role_names(adapters, progress), seed=cfg.seed
+    )
     model = shard(model, params.train, params.model.device)
     builder = role_builder(params, tok)
     weight = {"high": 1.0 / hrl.high_interval, "low": 1.0, "progress": 1.0}
-    items = [(role, *encode(builder, r["state_text"], r["output_text"]), weight[role]) for role in ROLES for r in sets[role]]
+    items = [
+        (role, *encode(builder, r["state_text"], r["output_text"]), weight[role]) for role in ROLES for r in sets[role]
+    ]
     start = time.perf_counter()
-    curve = train(model, items, cfg, lambda it: len(it[1]),
-                  lambda micro: weighted_nll_step(model, micro, tok.pad_token_id, adapters == "separate"), "bc",
-                  checkpoint=checkpoint_path(out), inputs=input_digest(data_dir), run=params.train)
+    curve = train(
+        model,
+        items,
+        cfg,
+        lambda it: len(it[1]),
+        lambda micro: weighted_nll_step(model, micro, tok.pad_token_id, adapters == "separate"),
+        "bc",
+        checkpoint=checkpoint_path(out),
+        inputs=input_digest(data_dir),
+        run=params.train,
+    )
     elapsed = time.perf_counter() - start
     state = full_state(model)
 
     def save() -> None:
         with atomic_dir(out) as tmp:
             save_adapters(model, tmp, state_dict=state)
-            write_roles(tmp, role_prompts(params, builder, progress), sorted({r["output_text"] for r in sets["high"]}), adapters)
+            write_roles(
+                tmp, role_prompts(params, builder, progress), sorted({r["output_text"] for r in sets["high"]}), adapters
+            )
 
     metrics = {
         "loss": last_epoch_mean(curve, "loss"),

@@ -10,17 +10,25 @@ import torch
 from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import write_store
-from qevolve.hierarchy.transitions import write_transitions
 from qevolve.hierarchy.config import section
 from qevolve.hierarchy.roles import ROLES, transitions
 from qevolve.hierarchy.shared import COLLECTED, make_agent
+from qevolve.hierarchy.transitions import write_transitions
 from qevolve.rollout import collection_metrics, play_collection
 
 EPISODES = "episodes"
 """The step store in a `collect@k` folder, beside its transitions (`COLLECTED`)."""
 
 
-def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics_path: Path, iteration: int, previous_metrics: Path) -> dict:
+def collect(
+    params: Params,
+    base_dir: Path,
+    policy_dir: Path,
+    out: Path,
+    metrics_path: Path,
+    iteration: int,
+    previous_metrics: Path,
+) -> dict:
     cfg = params.collect
     torch.manual_seed(cfg.seed + iteration)
     agent = make_agent(params, base_dir, policy_dir, temperature=params.policy.temperature)
@@ -29,7 +37,9 @@ def collect(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics
     hrl = section(params)
     for t in trajs:
         if t.steps:
-            for role, rows in transitions(t, agent.labels[t.trajectory_id], agent.prompts, hrl.compat_rejections, hrl.rejected_penalty).items():
+            for role, rows in transitions(
+                t, agent.labels[t.trajectory_id], agent.prompts, hrl.compat_rejections, hrl.rejected_penalty
+            ).items():
                 sets[role] += rows
     with atomic_dir(out) as tmp:
         write_store(tmp / EPISODES, trajs)

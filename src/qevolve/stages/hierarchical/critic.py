@@ -24,8 +24,8 @@ from qevolve.algos.stats import auc
 from qevolve.config import Params
 from qevolve.data.advantages import MOVING
 from qevolve.data.atomic import atomic_dir
-from qevolve.hierarchy.critic import Item, LevelCritic, critic_items, save_critic, values
 from qevolve.hierarchy.config import section
+from qevolve.hierarchy.critic import Item, LevelCritic, critic_items, save_critic, values
 from qevolve.hierarchy.shared import ADVANTAGE_SCHEMA, ADVANTAGES, read_roles, role_builder, training_sets
 from qevolve.models.policy import load_policy
 from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, save_and_report, train
@@ -39,7 +39,9 @@ def critic_step(critic: LevelCritic, micro: list[list[Item]], gamma: float, tau:
         device = x["v"].device
         rewards = torch.tensor([it.reward for it in mb], device=device)
         not_done = torch.tensor([0.0 if it.done else 1.0 for it in mb], device=device)
-        v_loss, q_loss = iql_losses(x["v"], x["q"], x["q_target"], x["v_next"], rewards, not_done, torch.ones_like(rewards), gamma, tau, total)
+        v_loss, q_loss = iql_losses(
+            x["v"], x["q"], x["q_target"], x["v_next"], rewards, not_done, torch.ones_like(rewards), gamma, tau, total
+        )
         (v_loss + q_loss).backward()
         sums["v_loss"] += v_loss.item()
         sums["q_loss"] += q_loss.item()
@@ -47,12 +49,25 @@ def critic_step(critic: LevelCritic, micro: list[list[Item]], gamma: float, tau:
     return sums
 
 
-def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, collected_dir: Path, out: Path, advantages_out: Path,
-           metrics_path: Path, curve_path: Path) -> dict:
+def critic(
+    params: Params,
+    base_dir: Path,
+    policy_dir: Path,
+    data_dir: Path,
+    collected_dir: Path,
+    out: Path,
+    advantages_out: Path,
+    metrics_path: Path,
+    curve_path: Path,
+) -> dict:
     hrl = section(params)
     cfg, compat = hrl.critic, hrl.compat_critic
     torch.manual_seed(cfg.seed)
-    sets = {role: rows for role, rows in training_sets(params, data_dir, collected_dir).items() if role in hrl.levels_with_critic}
+    sets = {
+        role: rows
+        for role, rows in training_sets(params, data_dir, collected_dir).items()
+        if role in hrl.levels_with_critic
+    }
     if read_roles(policy_dir)["adapters"] == "separate":
         policy_dir = policy_dir / "low"
     if compat:  # heads on the BC policy's frozen features
@@ -65,10 +80,18 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, col
     items = critic_items(role_builder(params, tok), sets)
     tau = 0.05 if compat else cfg.expectile
     start = time.perf_counter()
-    curve = train(model, items, cfg, lambda it: len(it.ids) + len(it.next_ids),
-                  lambda micro: critic_step(model, micro, cfg.gamma, tau, tok.pad_token_id), "critic",
-                  after_step=lambda: model.update_target(cfg.target_rate), checkpoint=checkpoint_path(out),
-                  inputs=input_digest(policy_dir, data_dir, collected_dir), run=params.train)
+    curve = train(
+        model,
+        items,
+        cfg,
+        lambda it: len(it.ids) + len(it.next_ids),
+        lambda micro: critic_step(model, micro, cfg.gamma, tau, tok.pad_token_id),
+        "critic",
+        after_step=lambda: model.update_target(cfg.target_rate),
+        checkpoint=checkpoint_path(out),
+        inputs=input_digest(policy_dir, data_dir, collected_dir),
+        run=params.train,
+    )
     elapsed = time.perf_counter() - start
     model.eval()
     rows = []
@@ -76,8 +99,17 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, col
         for i in range(0, len(items), cfg.micro_batch_size):
             mb = items[i : i + cfg.micro_batch_size]
             x = values(model, mb, tok.pad_token_id)
-            rows += [{"trajectory_id": it.key[0], "level": it.role, "step": it.key[2], "advantage": float(q - v), "v": float(v), "q": float(q)}
-                     for it, v, q in zip(mb, x["v"], x["q"])]
+            rows += [
+                {
+                    "trajectory_id": it.key[0],
+                    "level": it.role,
+                    "step": it.key[2],
+                    "advantage": float(q - v),
+                    "v": float(v),
+                    "q": float(q),
+                }
+                for it, v, q in zip(mb, x["v"], x["q"])
+            ]
 
     def save() -> None:
         save_critic(model, out, adapter=not compat)
@@ -92,8 +124,14 @@ def critic(params: Params, base_dir: Path, policy_dir: Path, data_dir: Path, col
         "expectile": tau,
         "reward": hrl.reward,
         **{f"{role}_transitions": len(sets[role]) for role in sets},
-        **{f"{role}_rewarded_share": sum(r["reward"] > 0 for r in sets[role]) / max(len(sets[role]), 1) for role in sets},
-        **{f"{role}_expert_share": sum(r["source"] == "expert" for r in sets[role]) / max(len(sets[role]), 1) for role in sets},
+        **{
+            f"{role}_rewarded_share": sum(r["reward"] > 0 for r in sets[role]) / max(len(sets[role]), 1)
+            for role in sets
+        },
+        **{
+            f"{role}_expert_share": sum(r["source"] == "expert" for r in sets[role]) / max(len(sets[role]), 1)
+            for role in sets
+        },
         **{f"{role}_advantage_mean": _mean([r["advantage"] for r in rows if r["level"] == role]) for role in sets},
         **{f"{role}_v_mean": _mean([r["v"] for r in rows if r["level"] == role]) for role in sets},
         **contrast(sets, rows),
@@ -109,10 +147,16 @@ def contrast(sets: dict[str, list[dict]], rows: list[dict]) -> dict:
     for role, trained in sets.items():
         mine = [r for r in rows if r["level"] == role]
         won = {(r["trajectory_id"], r["step"]) for r in trained if r["won"]}
-        ranked = auc([r["v"] for r in mine if (r["trajectory_id"], r["step"]) in won], [r["v"] for r in mine if (r["trajectory_id"], r["step"]) not in won])
+        ranked = auc(
+            [r["v"] for r in mine if (r["trajectory_id"], r["step"]) in won],
+            [r["v"] for r in mine if (r["trajectory_id"], r["step"]) not in won],
+        )
         a = torch.tensor([r["advantage"] for r in mine])
-        out |= {f"{role}_auc_train": ranked["auc"], f"{role}_advantage_std": float(a.std()) if len(a) > 1 else 0.0,
-                f"{role}_moving_share": float((a.abs() >= MOVING).float().mean()) if len(a) else float("nan")}
+        out |= {
+            f"{role}_auc_train": ranked["auc"],
+            f"{role}_advantage_std": float(a.std()) if len(a) > 1 else 0.0,
+            f"{role}_moving_share": float((a.abs() >= MOVING).float().mean()) if len(a) else float("nan"),
+        }
     return out
 
 

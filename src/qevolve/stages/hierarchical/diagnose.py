@@ -34,8 +34,15 @@ from qevolve.stages.diagnosis import NO_OP_KL, contrast_warning, no_op_warning, 
 BATCH = 8
 
 
-def diagnose(params: Params, base_dir: Path, previous_dir: Path, policy_dir: Path, critic_dir: Path, heldout_dir: Path,
-             metrics_path: Path) -> dict:
+def diagnose(
+    params: Params,
+    base_dir: Path,
+    previous_dir: Path,
+    policy_dir: Path,
+    critic_dir: Path,
+    heldout_dir: Path,
+    metrics_path: Path,
+) -> dict:
     heldout = read_transitions(Path(heldout_dir) / COLLECTED)
     metrics: dict = {"warnings": []} | role_kl(params, base_dir, previous_dir, policy_dir, heldout)
     moved = [metrics[key] for key in metrics if key.endswith("_kl_previous_new")]
@@ -45,7 +52,9 @@ def diagnose(params: Params, base_dir: Path, previous_dir: Path, policy_dir: Pat
     with safe_open(str(Path(critic_dir) / "heads.safetensors"), "pt") as heads:
         levels = tuple(sorted({k.split(".")[1] for k in heads.keys() if k.startswith("v.")}))
     if not (Path(critic_dir) / "adapter_config.json").exists():  # `repo_compat`: heads on a policy's frozen features
-        metrics["warnings"].append(f"{critic_dir}: a repo_compat critic (heads on a policy's features, no adapter of its own) is not scored")
+        metrics["warnings"].append(
+            f"{critic_dir}: a repo_compat critic (heads on a policy's features, no adapter of its own) is not scored"
+        )
         write_json(metrics_path, metrics)
         return metrics
     critic = load_critic(params, base_dir, critic_dir, levels)
@@ -64,18 +73,27 @@ def diagnose(params: Params, base_dir: Path, previous_dir: Path, policy_dir: Pat
             episodes.setdefault(r["trajectory_id"], []).append(v[(r["trajectory_id"], level, r["step"])])
         means = {tid: sum(vs) / len(vs) for tid, vs in episodes.items()}
         ranked = auc([m for tid, m in means.items() if won[tid]], [m for tid, m in means.items() if not won[tid]])
-        by_step = auc([v[(r["trajectory_id"], level, r["step"])] for r in rows if r["won"]],
-                      [v[(r["trajectory_id"], level, r["step"])] for r in rows if not r["won"]])
-        metrics |= {f"{level}_heldout_episodes": len(means), f"{level}_heldout_won": sum(won.values()),
-                    f"{level}_critic_auc": ranked["auc"], f"{level}_critic_auc_p": ranked["p"],
-                    f"{level}_critic_auc_steps": by_step["auc"], f"{level}_no_contrast": useless(ranked)}
+        by_step = auc(
+            [v[(r["trajectory_id"], level, r["step"])] for r in rows if r["won"]],
+            [v[(r["trajectory_id"], level, r["step"])] for r in rows if not r["won"]],
+        )
+        metrics |= {
+            f"{level}_heldout_episodes": len(means),
+            f"{level}_heldout_won": sum(won.values()),
+            f"{level}_critic_auc": ranked["auc"],
+            f"{level}_critic_auc_p": ranked["p"],
+            f"{level}_critic_auc_steps": by_step["auc"],
+            f"{level}_no_contrast": useless(ranked),
+        }
         warning = contrast_warning(ranked, len(means), f"the {level} level's critic")
         metrics["warnings"] += [warning] if warning else []
     write_json(metrics_path, metrics)
     return metrics
 
 
-def role_kl(params: Params, base_dir: Path, previous_dir: Path, policy_dir: Path, heldout: dict[str, list[dict]]) -> dict:
+def role_kl(
+    params: Params, base_dir: Path, previous_dir: Path, policy_dir: Path, heldout: dict[str, list[dict]]
+) -> dict:
     """Per role with held-out calls: KL(previous ‖ new) per output token and the tokens it was read on."""
     previous, tok, previous_separate = load_roles_policy(params, base_dir, previous_dir)
     new, _, new_separate = load_roles_policy(params, base_dir, policy_dir)
@@ -87,7 +105,10 @@ def role_kl(params: Params, base_dir: Path, previous_dir: Path, policy_dir: Path
         for model, separate in ((previous, previous_separate), (new, new_separate)):
             if separate:
                 use_adapter(model, role)
-        calls = [SimpleNamespace(ids=ids, mask=mask) for ids, mask in (encode(builder, r["state_text"], r["output_text"]) for r in rows)]
+        calls = [
+            SimpleNamespace(ids=ids, mask=mask)
+            for ids, mask in (encode(builder, r["state_text"], r["output_text"]) for r in rows)
+        ]
         kl, tokens = policy_kl(previous, new, calls, tok.pad_token_id, BATCH)
         out |= {f"{role}_kl_previous_new": kl, f"{role}_kl_tokens": tokens}
     return out

@@ -20,7 +20,15 @@ from qevolve.hierarchy.transitions import write_transitions
 from qevolve.rollout import play_splits
 
 
-def evaluate(params: Params, base_dir: Path, policy_dir: Path, out: Path, metrics_path: Path, iteration: int, env_steps_path: Path) -> dict:
+def evaluate(
+    params: Params,
+    base_dir: Path,
+    policy_dir: Path,
+    out: Path,
+    metrics_path: Path,
+    iteration: int,
+    env_steps_path: Path,
+) -> dict:
     torch.manual_seed(params.evaluate.seed)
     agent = make_agent(params, base_dir, policy_dir, temperature=1.0)
     metrics = play_splits(params, agent, out, metrics_path, f"policy@{iteration}", env_steps_path)
@@ -28,7 +36,9 @@ def evaluate(params: Params, base_dir: Path, policy_dir: Path, out: Path, metric
     hrl, sets = section(params), {role: [] for role in ROLES}
     for t in played:
         if t.steps:
-            for role, rows in transitions(t, agent.labels[t.trajectory_id], agent.prompts, hrl.compat_rejections, hrl.rejected_penalty).items():
+            for role, rows in transitions(
+                t, agent.labels[t.trajectory_id], agent.prompts, hrl.compat_rejections, hrl.rejected_penalty
+            ).items():
                 sets[role] += rows
     write_transitions(out / COLLECTED, sets, lambda text: len(agent.tok.encode(text, add_special_tokens=False)))
     for split, trajs in _by_split(played).items():
@@ -37,10 +47,14 @@ def evaluate(params: Params, base_dir: Path, policy_dir: Path, out: Path, metric
         calls = [agent.role_calls[t.trajectory_id] for t in trajs]
         metrics[split] |= {
             **{f"{role}_tokens_per_episode": sum(t[role] for t in tokens) / n for role in ROLES},
-            **{f"{role}_prompt_tokens_per_call": sum(t[role] for t in tokens) / max(sum(c[role] for c in calls), 1) for role in ROLES},
+            **{
+                f"{role}_prompt_tokens_per_call": sum(t[role] for t in tokens) / max(sum(c[role] for c in calls), 1)
+                for role in ROLES
+            },
             "max_prompt_tokens_per_step": max((s.prompt_tokens for t in trajs for s in t.steps), default=0),
             "subtasks_per_episode": sum(c["high"] for c in calls) / n,
-            "subtasks_ended_by_flag": sum(parse_low(s.output)[1] for t in trajs for s in t.steps) / max(sum(c["high"] for c in calls), 1),
+            "subtasks_ended_by_flag": sum(parse_low(s.output)[1] for t in trajs for s in t.steps)
+            / max(sum(c["high"] for c in calls), 1),
         }
     write_json(metrics_path, metrics)
     return json.loads(Path(metrics_path).read_text())
