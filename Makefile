@@ -28,7 +28,7 @@ endif
 # profiles/$(PROFILE).yaml in runs/$(PROFILE)/.
 PROFILE ?=
 
-.PHONY: setup lock quickstart test test-slow test-all lint format
+.PHONY: setup lock quickstart test test-slow test-all lint format docs
 setup:
 	./scripts/setup.sh
 
@@ -63,3 +63,7 @@ lint: setup
 format: setup
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
+
+# The documentation site (mkdocs.yml) into site/, strictly: a broken link or anchor fails it.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict

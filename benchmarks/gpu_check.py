@@ -274,9 +274,9 @@ def pipeline(device: torch.device, scale: str) -> dict:
     if missing:
         return {"skipped": f"missing packages {missing} (carry their wheels; see the module docstring)"}
     small = scale == "tiny"
-    from qevolve.profiles import resolve
+    from qevolve.config import resolve_params
 
-    params = resolve(REPO / "profiles" / "textcraft.yaml")
+    params = resolve_params(REPO / "profiles" / "textcraft.yaml")
     params["experts"]["demos"] = {"planner": 12 if small else 120}
     params["model"]["embedded"].update(
         {"layers": 2, "hidden": 64, "heads": 4, "intermediate": 128, "vocab_size": 500} if small else {}

@@ -174,11 +174,10 @@ def experiment_workspace(
     import hashlib
 
     from flows.workspace import prepare, set_dotted
-    from qevolve.config import parse_params
-    from qevolve.profiles import find, resolve
+    from qevolve.config import find_profile, parse_params, resolve_params
 
-    source = find(ROOT, profile) if profile else ROOT / "params.yaml"
-    raw = resolve(source)
+    source = find_profile(ROOT, profile) if profile else ROOT / "params.yaml"
+    raw = resolve_params(source)
     changes = {**(overrides or {}), **({"evolve.iterations": iterations} if iterations is not None else {})}
     for key, value in changes.items():
         set_dotted(raw, key, value)
@@ -231,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         f"stages run: {', '.join(ran) or 'none (all up to date)'}; wall time {time.perf_counter() - start:.0f}s; "
         f"peak RSS {peak_rss_gb():.2f} GB"
     )
-    print(f'machine: {machine_line(machine())} (what reproduces where: README, "What reproducible means")')
+    print(f"machine: {machine_line(machine())} (what reproduces where: docs/reproducibility.md)")
     for k in range(1, params.evolve.iterations + 1):
         timing = root / paths.metrics(f"timing@{k}")
         if timing.exists() and any(name.endswith(f"@{k}") for name in ran):

@@ -9,8 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flows.workspace import ROOT, get_dotted, set_dotted, spent_env_steps, steps_file
-from qevolve.config import ConfigError, parse_params
-from qevolve.profiles import resolve
+from qevolve.config import ConfigError, parse_params, resolve_params
 from qevolve.recipe import load_recipe
 
 SEED_KEYS = {"bc.seed": 1, "collect.seed": 100, "policy.seed": 1}
@@ -173,7 +172,7 @@ def budget(spec: Spec, name: str, out: Path, given: int | None) -> int | None:
 def workspace_params(spec: Spec, name: str, seed: int, env_steps: int | None) -> dict:
     """The base profile with the workspace's changes, the seed's offsets and the matched env steps;
     validated, so a bad key fails before anything runs."""
-    params = resolve(ROOT / spec.base)
+    params = resolve_params(ROOT / spec.base)
     ws = spec.workspaces[name]
     for key, value in {**spec.set, **ws.set}.items():
         set_dotted(params, key, value)

@@ -9,10 +9,9 @@ import yaml
 
 from conftest import REPO
 from qevolve import paths
-from qevolve.config import ENVIRONMENTS, load_params, parse_params
+from qevolve.config import ENVIRONMENTS, load_params, parse_params, resolve_params
 from qevolve.data.store import read_store
 from qevolve.envs.webshop_data import write_synthetic
-from qevolve.profiles import resolve
 from qevolve.stages import pipeline, run_stage
 
 TINY_MODEL = {
@@ -25,11 +24,11 @@ TINY_MODEL = {
 def test_every_profile_validates_and_the_alfworld_profile_is_params_yaml():
     for name in ENVIRONMENTS:
         assert load_params(REPO / "profiles" / f"{name}.yaml").env.name == name
-    assert resolve(REPO / "profiles" / "alfworld.yaml") == yaml.safe_load((REPO / "params.yaml").read_text())
+    assert resolve_params(REPO / "profiles" / "alfworld.yaml") == yaml.safe_load((REPO / "params.yaml").read_text())
 
 
 def _tiny(profile: str, tmp_path) -> dict:
-    raw = resolve(REPO / "profiles" / f"{profile}.yaml")
+    raw = resolve_params(REPO / "profiles" / f"{profile}.yaml")
     expert = next(iter(raw["experts"]["demos"]))
     raw["env"].update(max_steps=4)
     raw["experts"].update(demos={expert: 6})

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from conftest import REPO
-from qevolve.profiles import resolve
+from qevolve.config import resolve_params
 
 DVC = str(Path(sys.executable).with_name("dvc"))  # the venv's dvc, whether or not the venv is activated
 
@@ -383,7 +383,7 @@ def test_a_profile_runs_in_its_own_workspace_and_leaves_the_checkout_alone(tmp_p
     assert root == tmp_path / "runs" / "webshop"
     # The workspace records the profile resolved over params.yaml: every key, so DVC's lineage sees each value.
     written = yaml.safe_load((root / "params.yaml").read_text())
-    assert written == resolve(REPO / "profiles" / "webshop.yaml") and written["env"]["name"] == "webshop"
+    assert written == resolve_params(REPO / "profiles" / "webshop.yaml") and written["env"]["name"] == "webshop"
     assert written["model"] == yaml.safe_load((REPO / "params.yaml").read_text())["model"]
     assert (root / ".dvc").is_dir() and (root / "src" / "qevolve" / "cli.py").exists()
     assert (root / "data" / "webshop-synthetic" / "items_human_ins.json").exists()

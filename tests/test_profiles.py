@@ -1,5 +1,5 @@
-"""Profiles are overlays on params.yaml (`qevolve.profiles`): what they merge and replace, what a workspace records,
-and that each shipped profile lists only what differs."""
+"""Profiles are overlays on params.yaml (`qevolve.config.resolve_params`): what they merge and replace, what a
+workspace records, and that each shipped profile lists only what differs."""
 
 import shutil
 import subprocess
@@ -9,8 +9,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from qevolve.config import ConfigError, load_params, params_model
-from qevolve.profiles import find, overlay, resolve
+from qevolve.config import ConfigError, find_profile, load_params, overlay, params_model, resolve_params
 
 
 def test_a_section_merges_key_by_key_and_a_value_replaces_whole():
@@ -55,26 +54,26 @@ def _checkout(tmp_path, profile: str) -> None:
 
 def test_a_profile_resolves_over_its_checkouts_params_yaml_and_bad_ones_name_their_file(tmp_path):
     _checkout(tmp_path, "# nothing changed\n")
-    assert resolve(tmp_path / "profiles" / "p.yaml") == yaml.safe_load((REPO / "params.yaml").read_text())
+    assert resolve_params(tmp_path / "profiles" / "p.yaml") == yaml.safe_load((REPO / "params.yaml").read_text())
     (tmp_path / "params.yaml").write_text(
         (REPO / "params.yaml").read_text().replace("max_steps: 15", "max_steps: 9", 1)
     )
     assert load_params(tmp_path / "profiles" / "p.yaml").env.max_steps == 9  # a new default reaches every profile
     (tmp_path / "profiles" / "p.yaml").write_text("bc:\n  lr: 1\n  lr: 2\n")
     with pytest.raises(ConfigError, match=r"p.yaml: key 'lr' appears twice"):
-        resolve(tmp_path / "profiles" / "p.yaml")
+        resolve_params(tmp_path / "profiles" / "p.yaml")
     (tmp_path / "profiles" / "p.yaml").write_text("bc:\n  nosuch: 1\n")
     with pytest.raises(ConfigError, match=r"p.yaml: invalid parameters\n  bc.nosuch: unknown key"):
         load_params(tmp_path / "profiles" / "p.yaml")
     (tmp_path / "profiles" / "p.yaml").write_text("- a list\n")
     with pytest.raises(ConfigError, match="p.yaml: expected a mapping of sections"):
-        resolve(tmp_path / "profiles" / "p.yaml")
+        resolve_params(tmp_path / "profiles" / "p.yaml")
     with pytest.raises(ConfigError, match=r"profile 'q': no .*q.yaml; expected one of \['p'\]"):
-        find(tmp_path, "q")
+        find_profile(tmp_path, "q")
     (tmp_path / "profiles" / "p.yaml").write_text("bc:\n  lr: 0.1\n")
     (tmp_path / "params.yaml").unlink()
     with pytest.raises(ConfigError, match="lists what differs from the checkout's params.yaml, and there is no"):
-        resolve(tmp_path / "profiles" / "p.yaml")
+        resolve_params(tmp_path / "profiles" / "p.yaml")
 
 
 def test_each_shipped_profile_lists_only_what_differs_from_params_yaml():
@@ -109,7 +108,7 @@ def test_qevolve_profile_prints_the_resolved_parameters():
         text=True,
         check=True,
     ).stdout
-    assert yaml.safe_load(out) == resolve(REPO / "profiles" / "textcraft.yaml")
+    assert yaml.safe_load(out) == resolve_params(REPO / "profiles" / "textcraft.yaml")
     assert "max_steps: 30" in out and "context_tokens: 640" in out  # its own value and one params.yaml gives it
     bad = subprocess.run(
         [sys.executable, "-m", "qevolve.cli", "profile", "../params", "--root", str(REPO)],

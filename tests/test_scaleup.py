@@ -169,11 +169,10 @@ def test_multi_process_trainers_copied_and_sharded_run_from_dvc_repro_and_from_t
 def test_the_gpu_study_profile_runs_at_a_tiny_size_on_the_cpu(tmp_path, monkeypatch, alfworld_data):
     """profiles/study-gpu.yaml (issue 57's study, sized for one GPU) with only its sizes cut: SmolLM2 in free mode on
     all six task types, both iterations, every stage, on the CPU."""
-    from qevolve.config import parse_params
-    from qevolve.profiles import resolve
+    from qevolve.config import parse_params, resolve_params
     from qevolve.stages import pipeline, run_stage
 
-    raw = resolve(REPO / "profiles" / "study-gpu.yaml")
+    raw = resolve_params(REPO / "profiles" / "study-gpu.yaml")
     assert raw["model"]["base"] == "smollm2" and raw["policy"]["action_mode"] == "free" and not raw["env"]["task_types"]
     assert raw["collect"]["num_tasks"] * raw["collect"]["samples_per_task"] >= 2000 and raw["evolve"]["iterations"] == 2
     raw["env"].update(max_steps=3, processes=False)

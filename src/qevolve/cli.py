@@ -136,13 +136,14 @@ def _command(args) -> int:
         return 0
 
     if args.command == "profile":
-        from qevolve.config import parse_params
-        from qevolve.profiles import find, render, resolve
+        import yaml
 
-        path = find(args.root, args.name)
-        raw = resolve(path)
+        from qevolve.config import find_profile, parse_params, resolve_params
+
+        path = find_profile(args.root, args.name)
+        raw = resolve_params(path)
         parse_params(raw, path)  # a profile that does not validate says so, naming its keys
-        print(render(raw), end="")
+        print(yaml.safe_dump(raw, sort_keys=False), end="")
         return 0
 
     if args.command == "data":

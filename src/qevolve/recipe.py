@@ -209,6 +209,13 @@ class Recipe:
         )
 
 
+def build_on(method: str) -> Recipe:
+    """Another method's recipe, for a method that runs its iterations with a setup of its own (TerminalTraj runs
+    Q-Evolve's): the declared way for one method to depend on another (tests/test_architecture.py lets this one
+    arrow between methods through and no other)."""
+    return load_recipe(method)
+
+
 def load_recipe(method: str) -> Recipe:
     if method not in methods():
         raise ValueError(f"method {method!r}: no package qevolve.methods.{method}; expected one of {methods()}")

@@ -35,7 +35,9 @@ ARCHIVE_NAME = "json_2.1.1_all_splits.tar.xz"
 
 
 class AlfworldDataError(UserError, RuntimeError):
-    hint = "see the README's 'ALFWorld's games' paragraph"
+    hint = (
+        "the README's Quickstart says where they come from: ALFWORLD_DATA, QEVOLVE_ALFWORLD_ARCHIVE, alfworld-download"
+    )
     pass
 
 

@@ -9,8 +9,8 @@ repositories) through the sanity gate (`data/instances`, which is `env.data_dir`
 noisy scripted teacher out on the train tasks, `verify` sets the validators' verdict beside a judge's,
 `filter` keeps the validator-passed (or judge-accepted) rollouts as the demonstrations `bc` clones.
 The paper stops at SFT; each iteration k >= 1 here is Q-Evolve's (collect, relabel, critic, advantage,
-policy) on the same terminal tasks: `RECIPE` is Q-Evolve's (`load_recipe("qevolve")`, by name: no method
-imports another's package) with this setup, its demonstrations being the teacher's."""
+policy) on the same terminal tasks: `RECIPE` is Q-Evolve's with this setup, its demonstrations being the teacher's
+(`build_on("qevolve")`, the declared dependency of one method on another)."""
 
 from __future__ import annotations
 
@@ -18,21 +18,21 @@ from dataclasses import replace
 from pathlib import Path
 
 from qevolve import paths
-from qevolve.methods.terminaltraj.config import (
-    INSTANCES,
-    SECTIONS,
-)  # its sections: their defaults are a dep of every stage of the method
-from qevolve.recipe import SETUP, Stage, load_recipe
+
+# SECTIONS: its sections, whose defaults are a dep of every stage of the method
+from qevolve.methods.terminaltraj.config import INSTANCES, SECTIONS
+from qevolve.recipe import SETUP, Stage, build_on
 
 HERE = __name__
 ROLLOUTS, VERIFIED = Path("data/teacher"), Path("data/verify")
 _base, _bc = (s for s in SETUP if s.name in ("base", "bc"))
 
+QEVOLVE = build_on("qevolve")
 RECIPE = replace(
-    load_recipe("qevolve"),
+    QEVOLVE,
     name="terminaltraj",
     demonstrations="teacher",
-    seed_keys={**load_recipe("qevolve").seed_keys, "terminaltraj.filter.seed": 1},
+    seed_keys={**QEVOLVE.seed_keys, "terminaltraj.filter.seed": 1},
     smoke={
         "env": {"name": "terminal", "data_dir": "data/instances"},
         "experts": {"demos": {"oracle": 1}},
