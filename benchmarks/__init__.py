@@ -8,7 +8,7 @@ from pathlib import Path
 
 def workspace_params(ws: Path, needs: tuple[str, ...] = ("models/base", "models/bc")):
     """The parameters of a workspace where the quickstart has run; exit with a hint if it has not."""
-    from qevolve.config import load_params
+    from qevolve.params import load_params
 
     for need in ("params.yaml", *needs):
         if not (ws / need).exists():

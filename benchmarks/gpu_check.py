@@ -274,7 +274,7 @@ def pipeline(device: torch.device, scale: str) -> dict:
     if missing:
         return {"skipped": f"missing packages {missing} (carry their wheels; see the module docstring)"}
     small = scale == "tiny"
-    from qevolve.config import resolve_params
+    from qevolve.params import resolve_params
 
     params = resolve_params(REPO / "profiles" / "textcraft.yaml")
     params["experts"]["demos"] = {"planner": 12 if small else 120}
@@ -542,8 +542,8 @@ def vllm_path(base: Path) -> dict:
     """The vLLM backend on the embedded model (free mode) when vLLM imports: a few greedy turns, tokens/s."""
     if importlib.util.find_spec("vllm") is None:
         return {"skipped": "vllm is not installed"}
-    from qevolve.config import parse_params
     from qevolve.models.policy import local_backend
+    from qevolve.params import parse_params
 
     params = parse_params(
         {

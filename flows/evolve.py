@@ -37,11 +37,11 @@ from flows.tracking import (
     start_iteration,
 )
 from qevolve import dvcfile, paths
-from qevolve.config import load_params
 from qevolve.data.atomic import write_json
 from qevolve.envs import check_data
 from qevolve.errors import UserError, debugging, inside, report
 from qevolve.lock import workspace_lock
+from qevolve.params import load_params
 from qevolve.recipe import load_recipe
 from qevolve.stages import iteration_stages, pipeline, stage_name
 from qevolve.summary import summary_table
@@ -174,7 +174,7 @@ def experiment_workspace(
     import hashlib
 
     from flows.workspace import prepare, set_dotted
-    from qevolve.config import find_profile, parse_params, resolve_params
+    from qevolve.params import find_profile, parse_params, resolve_params
 
     source = find_profile(ROOT, profile) if profile else ROOT / "params.yaml"
     raw = resolve_params(source)

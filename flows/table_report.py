@@ -206,6 +206,9 @@ def difference_cell(results: list[dict], r: dict, split: str) -> str:
 
 
 def fmt(values: list[float], percent: bool = False, digits: int = 3) -> str:
+    """Mean ± std over seeds; empty where no seed has the figure (a results file older than it)."""
+    if not values:
+        return ""
     m, s = mean_std(values)
     if percent:
         return f"{100 * m:.1f}" + (f" ± {100 * s:.1f}" if s is not None else "")

@@ -9,7 +9,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flows.workspace import ROOT, get_dotted, set_dotted, spent_env_steps, steps_file
-from qevolve.config import ConfigError, parse_params, resolve_params
+from qevolve.config import ConfigError
+from qevolve.params import parse_params, resolve_params
 from qevolve.recipe import load_recipe
 
 SEED_KEYS = {"bc.seed": 1, "collect.seed": 100, "policy.seed": 1}

@@ -14,12 +14,13 @@ from pathlib import Path
 import mlflow
 
 from qevolve import paths
-from qevolve.config import Params, lineage_dump
 from qevolve.data.advantages import read_advantages
 from qevolve.data.atomic import write_json
 from qevolve.data.store import read_store
 from qevolve.errors import UserError
+from qevolve.lineage import lineage_dump
 from qevolve.lock import STATE_DIR
+from qevolve.params import Params
 from qevolve.recipe import Stage
 
 SAMPLE_TRAJECTORIES = 4

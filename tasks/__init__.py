@@ -17,8 +17,8 @@ from pathlib import Path
 from prefect import get_run_logger, task
 
 from qevolve import paths
-from qevolve.config import load_params
 from qevolve.envs.task_images import REGISTRY_ENV
+from qevolve.params import load_params
 from qevolve.stages import run_stage, stage_name
 from tasks.dvc import (
     RemoteUnreachable,

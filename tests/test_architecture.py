@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOORS = (
     ("qevolve", "qevolve.errors", "qevolve.paths", "qevolve.environments", "qevolve.algos"),
     ("qevolve.config", "qevolve.data", "qevolve.llm", "qevolve.lock", "qevolve.summary"),
-    ("qevolve.envs", "qevolve.recipe"),
-    ("qevolve.models", "qevolve.dvcfile"),
-    ("qevolve.training", "qevolve.rollout", "qevolve.hierarchy"),
+    ("qevolve.envs", "qevolve.params", "qevolve.lineage"),
+    ("qevolve.models", "qevolve.recipe"),
+    ("qevolve.dvcfile", "qevolve.training", "qevolve.rollout", "qevolve.hierarchy"),
     ("qevolve.policy_update",),
     ("qevolve.stages",),
     ("qevolve.stages.hierarchical",),
@@ -222,7 +222,7 @@ def test_the_checks_find_what_they_look_for(tmp_path):
         "(qevolve.methods.b, floor 8)",
         "src/qevolve/methods/multi2/__init__.py:2: qevolve.methods.multi2 (qevolve.methods.multi2, floor 8) imports "
         "qevolve.methods.step_hrl.config (qevolve.methods.step_hrl, floor 8)",
-        "src/qevolve/recipe.py:2: qevolve.recipe (qevolve.recipe, floor 2) imports qevolve.training "
+        "src/qevolve/recipe.py:2: qevolve.recipe (qevolve.recipe, floor 3) imports qevolve.training "
         "(qevolve.training, floor 4)",
         "src/qevolve/training.py:1: qevolve.training (qevolve.training, floor 4) imports qevolve.rollout "
         "(qevolve.rollout, floor 4)",

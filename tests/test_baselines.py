@@ -10,13 +10,14 @@ import yaml
 
 from conftest import REPO
 from qevolve import paths
-from qevolve.config import ConfigError, ModelConfig, parse_params
+from qevolve.config import ConfigError, ModelConfig
 from qevolve.data.store import StepRecord, Trajectory
 from qevolve.methods.grpo.online import group_advantages
 from qevolve.models.critic import Critic
 from qevolve.models.device import pad_ids
 from qevolve.models.policy import BestOfN, load_policy
 from qevolve.models.prompt import PromptBuilder, format_action
+from qevolve.params import parse_params
 from qevolve.rollout import another_round
 from qevolve.stages import iteration_stages, pipeline, run_stage
 from tests.test_env_pipelines import _tiny

@@ -4,7 +4,8 @@ import pytest
 import yaml
 
 from conftest import REPO
-from qevolve.config import ConfigError, load_params, methods
+from qevolve.config import ConfigError
+from qevolve.params import load_params, methods
 
 
 def test_repository_params_load():
@@ -122,7 +123,8 @@ def test_split_names_are_checked_against_the_environment(tmp_path, raw, message)
 
 
 def test_the_keys_a_stage_reads_are_recorded_and_checked_against_its_recipe():
-    from qevolve.config import Params, recorded_reads
+    from qevolve.config import recorded_reads
+    from qevolve.params import Params
     from qevolve.recipe import SETUP
     from qevolve.stages import UndeclaredParams, check_reads
 

@@ -3,13 +3,14 @@
 import pytest
 import torch
 
-from qevolve.config import ModelConfig, Params, PolicyConfig
+from qevolve.config import ModelConfig, PolicyConfig
 from qevolve.data.store import StepRecord, Trajectory
 from qevolve.methods.qevolve.config import CriticConfig
 from qevolve.methods.qevolve.critic import critic_step, value_stats
 from qevolve.models.critic import Critic, critic_items, critic_values
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PromptBuilder
+from qevolve.params import Params
 from qevolve.policy_update import PolicyItem, policy_step, reference_pass
 from qevolve.training import train
 
@@ -150,10 +151,10 @@ def diagnosed(tmp_path, tiny_base, signal: bool, moved: bool) -> dict:
     import json
     import random
 
-    from qevolve.config import parse_params
     from qevolve.data.store import write_store
     from qevolve.methods.qevolve.diagnose import diagnose
     from qevolve.models.prompt import PROMPT_FILE
+    from qevolve.params import parse_params
 
     rng = random.Random(0)
     episodes = []

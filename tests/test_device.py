@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from qevolve import dvcfile
-from qevolve.config import ConfigError, ModelConfig, lineage_dump, parse_params
+from qevolve.config import ConfigError, ModelConfig
+from qevolve.lineage import lineage_dump
 from qevolve.models.device import DeviceError, resolve_device, resolve_dtype
+from qevolve.params import parse_params
 from qevolve.recipe import load_recipe
 
 CUDA = pytest.mark.skipif(

@@ -117,7 +117,7 @@ def test_a_rollout_stage_sizes_the_buffer_first_and_compiles_its_decode_step_onc
     from torch._dynamo.utils import counters
 
     import qevolve.models.policy as policy
-    from qevolve.config import parse_params
+    from qevolve.params import parse_params
     from qevolve.rollout import play
     from tests.test_rollout import Corridor
 

@@ -9,9 +9,10 @@ import yaml
 
 from conftest import REPO
 from qevolve import paths
-from qevolve.config import ENVIRONMENTS, load_params, parse_params, resolve_params
+from qevolve.config import ENVIRONMENTS
 from qevolve.data.store import read_store
 from qevolve.envs.webshop_data import write_synthetic
+from qevolve.params import load_params, parse_params, resolve_params
 from qevolve.stages import pipeline, run_stage
 
 TINY_MODEL = {

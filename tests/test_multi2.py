@@ -5,12 +5,13 @@ import pytest
 import torch
 
 from qevolve import paths
-from qevolve.config import ConfigError, parse_params
+from qevolve.config import ConfigError
 from qevolve.data.store import StepRecord, Trajectory
 from qevolve.hierarchy.annotators import Label
 from qevolve.hierarchy.roles import FINISHED, RolePrompts, transitions
 from qevolve.hierarchy.transitions import read_transitions
 from qevolve.models.policy import load_policy
+from qevolve.params import parse_params
 from qevolve.rollout import episode_metrics
 from qevolve.stages import iteration_stages, pipeline, run_stage
 from tests.test_env_pipelines import _tiny

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from conftest import REPO
-from qevolve.config import resolve_params
+from qevolve.params import resolve_params
 
 DVC = str(Path(sys.executable).with_name("dvc"))  # the venv's dvc, whether or not the venv is activated
 
@@ -44,7 +44,7 @@ def _dvc_stages(cwd) -> list[str]:
 
 def test_flow_and_dvc_yaml_describe_the_same_stages(tmp_path):
     from qevolve import dvcfile
-    from qevolve.config import load_params, parse_params
+    from qevolve.params import load_params, parse_params
     from qevolve.stages import pipeline, stage_name
 
     params = load_params(REPO / "params.yaml")
@@ -61,7 +61,7 @@ def test_flow_and_dvc_yaml_describe_the_same_stages(tmp_path):
 def _method_params() -> dict:
     """method -> parameters that use every stage of its recipe (`Recipe.smoke`: Q-Evolve's with reranking,
     Multi²'s with two iterations, its online phase starting at the second)."""
-    from qevolve.config import methods, parse_params
+    from qevolve.params import methods, parse_params
     from qevolve.recipe import load_recipe
 
     return {m: parse_params({"method": m, "evolve": {"iterations": 1}, **load_recipe(m).smoke}) for m in methods()}
@@ -116,9 +116,9 @@ def test_every_module_a_stage_imports_is_one_of_its_dvc_deps():
         }  # empty __init__ files aside
 
     # Validating params.yaml builds `Params`, which imports every method's package and config
-    # (`config.method_sections`) and what they import; they declare sections and stages this stage never
+    # (`params.method_sections`) and what they import; they declare sections and stages this stage never
     # reads or runs (`check_reads` enforces that on every run), so they are no dep unless its own code reaches them.
-    assembly = loaded("import qevolve.config; qevolve.config.params_model()") - loaded("import qevolve.config")
+    assembly = loaded("import qevolve.params; qevolve.params.params_model()") - loaded("import qevolve.params")
     deps = {
         (m, name): set(s.get("do", s)["deps"])
         for m, p in _method_params().items()
@@ -159,7 +159,7 @@ def test_a_stage_depends_on_its_own_environments_adapter_only():
     """`make_env` imports the adapter by name (`qevolve.environments.adapter`), so dvc.yaml adds the module
     of `env.name` to every stage that can build an environment, and no other environment's module."""
     from qevolve import dvcfile
-    from qevolve.config import load_params
+    from qevolve.params import load_params
 
     for profile, own in (("alfworld", "alfworld.py"), ("textcraft", "textcraft.py"), ("webshop", "webshop.py")):
         stages = dvcfile.spec(load_params(REPO / "profiles" / f"{profile}.yaml"))["stages"]
@@ -176,7 +176,7 @@ def test_dvc_params_deps_are_the_keys_the_file_sets():
     """A key the file leaves out is not a DVC params dep (DVC would refuse it as missing); its default
     lives in config.py, which every stage's code deps cover."""
     from qevolve import dvcfile
-    from qevolve.config import parse_params
+    from qevolve.params import parse_params
 
     stages = lambda raw: dvcfile.spec(parse_params({"evolve": {"iterations": 1}, **raw}))["stages"]  # noqa: E731
     assert "prompt.max_observation_tokens" not in stages({})["collect"]["do"]["params"]
@@ -464,7 +464,7 @@ def _copied_method(tmp_path, method: str, copy: str, own_section: bool) -> str:
             f.write_text(f.read_text().replace(f'Recipe("{method}"', f'Recipe("{copy}"'))
     code = (
         "from qevolve import dvcfile\n"
-        "from qevolve.config import methods, parse_params\n"
+        "from qevolve.params import methods, parse_params\n"
         "from qevolve.stages import pipeline\n"
         f"p = parse_params({{'method': '{copy}', 'evolve': {{'iterations': 2}}}})\n"
         "stages = dvcfile.spec(p)['stages']\n"
@@ -490,7 +490,7 @@ def test_a_method_is_its_package(tmp_path):
     """docs/adding-a-method.md: a copy of the GRPO package under another name, and no other change, is a
     method that params.yaml can pick, with its stages in dvc.yaml (their code deps its own files) and in
     the flow's order."""
-    from qevolve.config import methods
+    from qevolve.params import methods
 
     listed, deps, order = _copied_method(tmp_path, "grpo", "grpo_copy", own_section=False)
     assert listed == str(sorted([*methods(), "grpo_copy"]))
@@ -508,7 +508,7 @@ def test_a_hierarchical_method_is_its_package_too(tmp_path):
     """A copy of STEP-HRL under another name, its section renamed after it (the hierarchical stages read
     the running method's section), is a method too: the shared hierarchical stages run for it, reading its
     own section, whose module is their dep; its policy stage is its own file."""
-    from qevolve.config import methods
+    from qevolve.params import methods
 
     listed, deps, order = _copied_method(tmp_path, "step_hrl", "hrl_copy", own_section=True)
     deps = eval(deps)
@@ -531,7 +531,7 @@ def test_a_hierarchical_method_is_its_package_too(tmp_path):
 
 def test_each_method_iterates_in_a_sub_flow_of_its_own_name_described_by_its_algorithm():
     import flows.evolve
-    from qevolve.config import parse_params
+    from qevolve.params import parse_params
 
     grpo = flows.evolve.method_iteration(parse_params({"method": "grpo"}))
     assert grpo.name == "grpo-iteration" and grpo.description.startswith("The online RL baseline: GRPO")
@@ -545,7 +545,7 @@ def test_every_source_file_is_a_code_dep_of_some_methods_dvc_yaml():
     profile's dvc.yaml, each non-empty module of the package is some stage's dep, so no code runs outside
     all lineage."""
     from qevolve import dvcfile
-    from qevolve.config import load_params
+    from qevolve.params import load_params
 
     params = [*_method_params().values(), *(load_params(f) for f in sorted((REPO / "profiles").glob("*.yaml")))]
     deps = {d for p in params for s in dvcfile.spec(p)["stages"].values() for d in s.get("do", s)["deps"]}

@@ -6,9 +6,10 @@ import torch
 from test_env_pipelines import _tiny
 
 from qevolve import paths
-from qevolve.config import ConfigError, parse_params
+from qevolve.config import ConfigError
 from qevolve.data.advantages import read_advantages
 from qevolve.data.store import read_store
+from qevolve.params import parse_params
 from qevolve.stages import pipeline, run_stage
 
 

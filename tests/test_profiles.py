@@ -1,4 +1,4 @@
-"""Profiles are overlays on params.yaml (`qevolve.config.resolve_params`): what they merge and replace, what a
+"""Profiles are overlays on params.yaml (`qevolve.params.resolve_params`): what they merge and replace, what a
 workspace records, and that each shipped profile lists only what differs."""
 
 import shutil
@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from conftest import REPO
-from qevolve.config import ConfigError, find_profile, load_params, overlay, params_model, resolve_params
+from qevolve.config import ConfigError
+from qevolve.params import find_profile, load_params, overlay, params_model, resolve_params
 
 
 def test_a_section_merges_key_by_key_and_a_value_replaces_whole():

@@ -276,10 +276,10 @@ def test_known_errors_print_message_and_hint_without_a_traceback_unless_debuggin
 
 
 def test_a_damaged_adapter_or_prompt_file_names_the_artifact_its_stage_and_the_recovery(tiny_base, tmp_path):
-    from qevolve.config import Params
     from qevolve.errors import DamagedArtifact
     from qevolve.models.policy import load_policy
     from qevolve.models.prompt import make_builder
+    from qevolve.params import Params
 
     cfg = ModelConfig(lora={"r": 4, "alpha": 8})
     model, tok = load_policy(tiny_base, cfg)

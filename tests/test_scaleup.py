@@ -169,7 +169,7 @@ def test_multi_process_trainers_copied_and_sharded_run_from_dvc_repro_and_from_t
 def test_the_gpu_study_profile_runs_at_a_tiny_size_on_the_cpu(tmp_path, monkeypatch, alfworld_data):
     """profiles/study-gpu.yaml (issue 57's study, sized for one GPU) with only its sizes cut: SmolLM2 in free mode on
     all six task types, both iterations, every stage, on the CPU."""
-    from qevolve.config import parse_params, resolve_params
+    from qevolve.params import parse_params, resolve_params
     from qevolve.stages import pipeline, run_stage
 
     raw = resolve_params(REPO / "profiles" / "study-gpu.yaml")

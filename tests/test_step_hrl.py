@@ -10,13 +10,14 @@ import torch
 from qevolve import paths
 from qevolve.algos.losses import sequence_logprobs, token_logprobs
 from qevolve.algos.rl import advantage_pg_loss
-from qevolve.config import ConfigError, parse_params
+from qevolve.config import ConfigError
 from qevolve.data.store import SchemaError, StepRecord, Trajectory
 from qevolve.hierarchy.annotators import AnnotatorError, Label, llm_labels, rule_labels
 from qevolve.hierarchy.roles import FAILED, FINISHED, RolePrompts, parse_low, transitions
 from qevolve.hierarchy.shared import mix
 from qevolve.hierarchy.transitions import read_transitions, write_transitions
 from qevolve.models.policy import load_policy
+from qevolve.params import parse_params
 from qevolve.stages import iteration_stages, pipeline, run_stage
 from tests.test_env_pipelines import _tiny
 

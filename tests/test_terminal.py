@@ -385,8 +385,9 @@ def test_the_oracle_is_split_into_its_command_lines_unless_a_line_does_not_parse
 
 
 def test_params_pick_the_terminal_environment_and_check_its_data(tmp_path):
-    from qevolve.config import ConfigError, parse_params
+    from qevolve.config import ConfigError
     from qevolve.envs import check_data, make_env
+    from qevolve.params import parse_params
 
     _task(tmp_path / "tasks")
     raw = {
@@ -549,8 +550,9 @@ def test_terminaltraj_runs_end_to_end_and_keeps_only_verified_rollouts(tmp_path,
     import json
 
     from qevolve import dvcfile, paths
-    from qevolve.config import ConfigError, parse_params
+    from qevolve.config import ConfigError
     from qevolve.data.store import read_store
+    from qevolve.params import parse_params
     from qevolve.stages import pipeline, run_stage
     from tests.test_env_pipelines import _tiny
 
@@ -646,11 +648,12 @@ def test_shell_actions_keep_their_case():
 def test_an_llm_teacher_and_an_llm_judge_behind_a_url(tmp_path, fake_chat):
     import json
 
-    from qevolve.config import ConfigError, parse_params
+    from qevolve.config import ConfigError
     from qevolve.data.store import read_store
     from qevolve.llm import LLMError
     from qevolve.methods.terminaltraj.teacher import command_of, teacher
     from qevolve.methods.terminaltraj.verify import verify
+    from qevolve.params import parse_params
 
     episodes = []
 
@@ -1110,8 +1113,8 @@ def test_the_docker_backend_against_a_fake_docker(tmp_path, fake_docker):
 
 
 def test_admissible_mode_offers_the_oracle_its_mistakes_a_look_and_submit(tmp_path):
-    from qevolve.config import parse_params
     from qevolve.envs.terminal_tasks import make, write_task
+    from qevolve.params import parse_params
 
     spec = make("csv", 3)
     write_task(spec, tmp_path / "train" / "csv-0003")
@@ -1199,9 +1202,10 @@ def test_an_llm_writes_tasks_from_source_repositories_and_the_gate_judges_them(t
     import tomllib
 
     from qevolve import dvcfile
-    from qevolve.config import ConfigError, parse_params
+    from qevolve.config import ConfigError
     from qevolve.methods.terminaltraj.author import AuthorError, context, parse
     from qevolve.methods.terminaltraj.generate import generate
+    from qevolve.params import parse_params
 
     sources = tmp_path / "sources"
     for name, script in {

@@ -2,7 +2,7 @@
 
 import mlflow
 
-from qevolve.config import parse_params
+from qevolve.params import parse_params
 
 
 def test_raising_iterations_continues_the_evolution_and_the_experiment_opens_as_training(tmp_path, monkeypatch):

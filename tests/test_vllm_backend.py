@@ -79,7 +79,8 @@ def test_a_free_mode_actor_plays_on_it(tiny_tokenizer):
 def test_vllm_needs_adapters_without_trained_embeddings_and_is_no_part_of_lineage():
     from conftest import REPO
     from qevolve import dvcfile
-    from qevolve.config import ConfigError, parse_params
+    from qevolve.config import ConfigError
+    from qevolve.params import parse_params
 
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     with pytest.raises(ConfigError, match=r"policy.backend: vLLM refuses LoRA adapters that train the embeddings"):
@@ -100,9 +101,9 @@ def test_the_engine_gets_the_real_model_its_length_and_memory_share_and_free_mod
     from types import ModuleType
 
     import qevolve.models.policy as policy
-    from qevolve.config import parse_params
     from qevolve.models.base import POINTER
     from qevolve.models.engine import SlotEngine
+    from qevolve.params import parse_params
 
     built = []
     fake = ModuleType("vllm")

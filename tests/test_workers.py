@@ -143,8 +143,8 @@ def test_worker_errors_name_the_call_and_environment_errors_pass_through(cfg):
 
 def test_ray_actors_serve_the_same_expert_trajectories_as_worker_processes(tmp_path, monkeypatch, ray_cluster):
     from qevolve import paths
-    from qevolve.config import parse_params
     from qevolve.data.store import read_store
+    from qevolve.params import parse_params
     from qevolve.stages import run_stage
     from tests.test_env_pipelines import _tiny
 
@@ -169,7 +169,7 @@ def test_where_environments_and_policy_replicas_run_is_not_part_of_a_stages_line
     import yaml
 
     from qevolve import dvcfile
-    from qevolve.config import parse_params
+    from qevolve.params import parse_params
     from tests.test_pipeline import REPO
 
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
@@ -196,9 +196,9 @@ def _wait_dead(actor, seconds: float = 30.0) -> None:
 def test_policy_replicas_play_the_same_episodes_as_the_stages_process(tmp_path, tiny_base, ray_cluster):
     """R = 2 replicas (slot s on replica s % 2) and the stage's own process: the same sampled episodes, in
     both action modes, since each episode samples from its own seed."""
-    from qevolve.config import parse_params
     from qevolve.models.policy import Actor, load_policy
     from qevolve.models.ray_policy import rollout_backend
+    from qevolve.params import parse_params
     from tests.test_env_pipelines import _tiny
     from tests.test_rollout import Corridor
 

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 from qevolve import dvcfile
-from qevolve.config import load_params
 from qevolve.errors import UserError, debugging, report
 from qevolve.lock import under_torchrun, workspace_lock
+from qevolve.params import load_params
 from qevolve.recipe import load_recipe
 from qevolve.stages import run_stage
 
@@ -138,7 +138,7 @@ def _command(args) -> int:
     if args.command == "profile":
         import yaml
 
-        from qevolve.config import find_profile, parse_params, resolve_params
+        from qevolve.params import find_profile, parse_params, resolve_params
 
         path = find_profile(args.root, args.name)
         raw = resolve_params(path)

@@ -16,9 +16,10 @@ from pathlib import Path
 import yaml
 
 from qevolve import paths
-from qevolve.config import EXECUTION_PATHS, Params
 from qevolve.environments import ENVIRONMENTS
 from qevolve.errors import UserError
+from qevolve.lineage import EXECUTION_PATHS
+from qevolve.params import Params
 from qevolve.recipe import Stage, load_recipe
 
 HEADER = (

@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 
 from qevolve.algos.rl import clip_fraction, policy_loss
-from qevolve.config import Params
 from qevolve.data.store import Trajectory
 from qevolve.models.base import next_token_logprobs, target_logprobs
 from qevolve.models.device import model_device, pad_ids
 from qevolve.models.prompt import Window
+from qevolve.params import Params
 from qevolve.training import is_sharded, local_share
 
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qevolve import paths
-from qevolve.config import methods
 from qevolve.errors import UserError
+from qevolve.params import methods
 
 MODEL_PARAMS = ("model.base", "model.embedded", "model.lora", "model.context_tokens", "model.dtype")
 """The `model` section less `model.device`: where a stage computes is not part of its lineage (nor is

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from qevolve.config import EnvConfig, Params
+from qevolve.config import EnvConfig
 from qevolve.data.atomic import write_json
 from qevolve.data.store import StepRecord, Trajectory, write_store
 from qevolve.envs import make_env as make_configured_env
@@ -28,6 +28,7 @@ from qevolve.envs import select_tasks
 from qevolve.envs.base import Task, TextEnv, check_env_failures, env_error, env_failures
 from qevolve.models.policy import Actor
 from qevolve.models.prompt import clean_text
+from qevolve.params import Params
 
 
 @dataclass

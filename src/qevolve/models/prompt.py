@@ -20,8 +20,8 @@ from qevolve.environments import ENVIRONMENTS
 from qevolve.errors import artifact
 
 if TYPE_CHECKING:
-    from qevolve.config import Params
     from qevolve.data.store import Trajectory
+    from qevolve.params import Params
 
 log = logging.getLogger(__name__)
 

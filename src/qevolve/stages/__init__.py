@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qevolve import paths
-from qevolve.config import EXECUTION_PATHS, recorded_reads
+from qevolve.config import recorded_reads
+from qevolve.lineage import EXECUTION_PATHS
 from qevolve.recipe import Stage, UnknownStage, load_recipe
 
 if TYPE_CHECKING:  # not at import: a hierarchical method's package imports this one while `Params` is being built
-    from qevolve.config import Params
+    from qevolve.params import Params
 
 
 def stage_name(stage: str, iteration: int | None = None) -> str:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import read_store
 from qevolve.environments import ENVIRONMENTS
 from qevolve.models.base import build_embedded, write_pointer
+from qevolve.params import Params
 
 
 def corpus(experts_dir: Path, env: str) -> list[str]:

@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 from qevolve.algos.losses import masked_nll
-from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir
 from qevolve.data.store import Trajectory, read_store
 from qevolve.environments import ENVIRONMENTS
@@ -16,6 +15,7 @@ from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device, pad_ids
 from qevolve.models.policy import load_policy, save_adapters
 from qevolve.models.prompt import PROMPT_FILE, PromptBuilder, build_examples
+from qevolve.params import Params
 from qevolve.training import (
     checkpoint_path,
     full_state,

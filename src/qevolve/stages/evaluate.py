@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from qevolve.config import Params
 from qevolve.models.policy import Actor
 from qevolve.models.prompt import make_builder
 from qevolve.models.ray_policy import rollout_backend
+from qevolve.params import Params
 from qevolve.rollout import play_splits
 
 

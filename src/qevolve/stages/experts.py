@@ -12,13 +12,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qevolve.config import ConfigError, Params
+from qevolve.config import ConfigError
 from qevolve.data.atomic import write_json
 from qevolve.data.store import StepRecord, Trajectory, write_store
 from qevolve.environments import ENVIRONMENTS
 from qevolve.envs import Task, make_env, select_tasks
 from qevolve.envs.base import ENV_ERROR, check_env_failures, env_error
 from qevolve.models.prompt import format_action
+from qevolve.params import Params
 
 CORRUPTED = "corrupted"
 """The source of a corrupted episode (`experts.corrupt`)."""

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, atomic_path, write_json
 from qevolve.data.store import Trajectory
 from qevolve.envs import make_env, select_tasks
 from qevolve.models.device import placement
 from qevolve.models.policy import Actor, load_policy, save_adapters
 from qevolve.models.prompt import PROMPT_FILE, make_builder
+from qevolve.params import Params
 from qevolve.policy_update import policy_items, policy_step, reference_pass
 from qevolve.rollout import another_round, count_round, online_metrics, play_in
 from qevolve.training import (

@@ -22,12 +22,12 @@ import torch
 
 from qevolve.algos.losses import sequence_logprobs
 from qevolve.algos.rl import awr_loss, iql_losses
-from qevolve.config import Params
 from qevolve.hierarchy.critic import Item, LevelCritic, critic_items, save_critic, values
 from qevolve.hierarchy.shared import load_roles_policy, role_builder, save_roles_policy, training_sets
 from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device, pad_ids
 from qevolve.models.policy import use_adapter
+from qevolve.params import Params
 from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, save_and_report, train
 
 LEVEL = "low"

@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from qevolve.algos.rl import awac_kl_loss, iql_losses
-from qevolve.config import Params
 from qevolve.data.atomic import atomic_path, write_json
 from qevolve.envs import make_env, select_tasks
 from qevolve.errors import artifact
@@ -50,6 +49,7 @@ from qevolve.methods.multi2.compat import on_actor
 from qevolve.models.base import target_logprobs
 from qevolve.models.device import pad_ids, placement
 from qevolve.models.policy import load_policy, use_adapter
+from qevolve.params import Params
 from qevolve.rollout import another_round, count_round, online_metrics, play_in
 from qevolve.training import changing_tensors, checkpoint_path, fingerprint, input_digest, load_round, trained_state
 

@@ -18,7 +18,6 @@ import torch
 
 from qevolve.algos.losses import sequence_logprobs
 from qevolve.algos.rl import anchored_awr_loss
-from qevolve.config import Params
 from qevolve.hierarchy.agent import RoleStop
 from qevolve.hierarchy.critic import advantages_of, load_critic
 from qevolve.hierarchy.roles import encode, parse_low
@@ -34,6 +33,7 @@ from qevolve.models.backend import HFBackend
 from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device, pad_ids
 from qevolve.models.policy import use_adapter
+from qevolve.params import Params
 from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, save_and_report, train
 
 Item = tuple[str, list[int], list[int], float]

@@ -16,13 +16,13 @@ import torch
 
 from qevolve.algos.rl import gae_advantages
 from qevolve.algos.stats import auc
-from qevolve.config import Params
 from qevolve.data.advantages import ADVANTAGES_FILE, MOVING, SCHEMA
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import read_store
 from qevolve.models.critic import critic_items, critic_values, load_critic
 from qevolve.models.device import placement
 from qevolve.models.prompt import make_builder
+from qevolve.params import Params
 
 CONSTANT = {"bppo": 1.0, "awr": 0.0}
 """`advantage.constant`: the advantage at which each update's weight on a step is 1

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import torch
 
-from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import write_store
 from qevolve.models.policy import Actor
 from qevolve.models.prompt import make_builder
 from qevolve.models.ray_policy import rollout_backend
+from qevolve.params import Params
 from qevolve.rollout import collection_metrics, play_collection
 
 

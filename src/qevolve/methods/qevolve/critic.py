@@ -13,13 +13,13 @@ import torch
 
 from qevolve.algos.rl import iql_losses
 from qevolve.algos.stats import auc
-from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir
 from qevolve.data.store import Trajectory, read_store
 from qevolve.models.critic import Critic, CriticItem, critic_items, critic_values, load_critic, read_positions
 from qevolve.models.device import is_main, model_device, pad_ids
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import PROMPT_FILE, make_builder
+from qevolve.params import Params
 from qevolve.training import (
     checkpoint_path,
     full_state,

@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 
 from qevolve.algos.stats import auc
-from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import read_store
 from qevolve.models.critic import critic_items, critic_values, load_critic
 from qevolve.models.policy import load_policy
 from qevolve.models.prompt import make_builder
+from qevolve.params import Params
 from qevolve.policy_update import policy_kl
 from qevolve.stages.diagnosis import NO_OP_KL, contrast_warning, credit_aucs, no_op_warning, useless
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 
 from qevolve.algos.rl import off_one_share, update_weights
-from qevolve.config import Params
 from qevolve.data.advantages import read_advantages
 from qevolve.data.atomic import atomic_dir
 from qevolve.data.store import read_store
 from qevolve.models.policy import load_policy, save_adapters
 from qevolve.models.prompt import PROMPT_FILE, make_builder
+from qevolve.params import Params
 from qevolve.policy_update import policy_items, policy_step, reference_pass
 from qevolve.training import (
     checkpoint_path,

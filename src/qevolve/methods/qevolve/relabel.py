@@ -9,10 +9,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from qevolve.algos.relabel import relabel_step
-from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import Trajectory, read_store, write_store
 from qevolve.envs import check_tasks, make_env
+from qevolve.params import Params
 
 
 def relabel(params: Params, experts_dir: Path, collected_dir: Path, out: Path, metrics_path: Path) -> dict:

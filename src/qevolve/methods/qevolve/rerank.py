@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from qevolve.config import Params
 from qevolve.models.critic import load_critic
 from qevolve.models.policy import BestOfN, load_policy
 from qevolve.models.prompt import make_builder
+from qevolve.params import Params
 from qevolve.rollout import play_splits
 
 

@@ -14,7 +14,6 @@ import torch
 
 from qevolve.algos.losses import sequence_logprobs
 from qevolve.algos.rl import advantage_pg_loss, awr_loss, off_one_share
-from qevolve.config import Params
 from qevolve.hierarchy.roles import ROLES, encode
 from qevolve.hierarchy.shared import (
     advantage_of,
@@ -27,6 +26,7 @@ from qevolve.hierarchy.shared import (
 )
 from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device, pad_ids
+from qevolve.params import Params
 from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, save_and_report, train
 
 Item = tuple[str, list[int], list[int], float]

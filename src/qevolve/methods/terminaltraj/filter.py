@@ -11,10 +11,10 @@ import json
 import random
 from pathlib import Path
 
-from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import read_store, write_store
 from qevolve.methods.terminaltraj.config import LABELS, REJECTIONS
+from qevolve.params import Params
 
 FUNNEL = ("generated", "passed_gate", "train_tasks", "rollouts", "verified", "kept")
 """The funnel's rows; beside them the gate's rejections by reason."""

@@ -17,12 +17,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.envs.base import Task
 from qevolve.envs.terminal import TerminalEnv
 from qevolve.envs.terminal_tasks import gate, make, write_task
 from qevolve.methods.terminaltraj.config import REJECTIONS
+from qevolve.params import Params
 
 Candidate = tuple[str, str, Callable[[Path], str]]
 """(task id, family, write(folder) -> '' when written, else why not)."""

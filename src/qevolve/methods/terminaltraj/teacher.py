@@ -15,13 +15,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import StepRecord, Trajectory, write_store
 from qevolve.envs.terminal import ORACLE, SUBMIT, TaskError, TerminalEnv, has_oracle, oracle_steps
 from qevolve.envs.terminal_tasks import teacher_plan
 from qevolve.llm import chat
 from qevolve.models.prompt import format_action
+from qevolve.params import Params
 
 VALIDATOR = "validator.json"
 SYSTEM = (

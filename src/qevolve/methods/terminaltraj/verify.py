@@ -9,12 +9,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import Trajectory, read_store
 from qevolve.envs.terminal_tasks import transcript_judge
 from qevolve.llm import LLMError, chat, json_content
 from qevolve.methods.terminaltraj.config import LABELS
+from qevolve.params import Params
 
 JUDGE_PROMPT = (
     "You are judging whether an agent completed a task in a Linux terminal. You see the task and the transcript of "

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import read_store
 from qevolve.envs import check_tasks, make_env
@@ -18,6 +17,7 @@ from qevolve.hierarchy.roles import ROLES, encode, transitions
 from qevolve.hierarchy.shared import role_builder, role_prompts
 from qevolve.hierarchy.transitions import write_transitions
 from qevolve.models.base import load_tokenizer
+from qevolve.params import Params
 
 
 def annotate(params: Params, experts_dir: Path, base_dir: Path, out: Path, metrics_path: Path) -> dict:

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from qevolve.algos.losses import sequence_logprobs
-from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir
 from qevolve.hierarchy.config import section
 from qevolve.hierarchy.roles import ROLES, encode
@@ -21,6 +20,7 @@ from qevolve.hierarchy.transitions import read_transitions
 from qevolve.models.base import target_logprobs
 from qevolve.models.device import model_device, pad_ids
 from qevolve.models.policy import load_policy, save_adapters
+from qevolve.params import Params
 from qevolve.training import (
     checkpoint_path,
     full_state,

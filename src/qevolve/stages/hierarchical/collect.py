@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 
-from qevolve.config import Params
 from qevolve.data.atomic import atomic_dir, write_json
 from qevolve.data.store import write_store
 from qevolve.hierarchy.config import section
 from qevolve.hierarchy.roles import ROLES, transitions
 from qevolve.hierarchy.shared import COLLECTED, make_agent
 from qevolve.hierarchy.transitions import write_transitions
+from qevolve.params import Params
 from qevolve.rollout import collection_metrics, play_collection
 
 EPISODES = "episodes"

@@ -21,13 +21,13 @@ import torch
 
 from qevolve.algos.rl import iql_losses
 from qevolve.algos.stats import auc
-from qevolve.config import Params
 from qevolve.data.advantages import MOVING
 from qevolve.data.atomic import atomic_dir
 from qevolve.hierarchy.config import section
 from qevolve.hierarchy.critic import Item, LevelCritic, critic_items, save_critic, values
 from qevolve.hierarchy.shared import ADVANTAGE_SCHEMA, ADVANTAGES, read_roles, role_builder, training_sets
 from qevolve.models.policy import load_policy
+from qevolve.params import Params
 from qevolve.training import checkpoint_path, input_digest, last_epoch_mean, save_and_report, train
 
 

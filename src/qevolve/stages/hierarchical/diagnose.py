@@ -20,7 +20,6 @@ import torch
 from safetensors import safe_open
 
 from qevolve.algos.stats import auc
-from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.hierarchy.critic import critic_items, load_critic, values
 from qevolve.hierarchy.roles import encode
@@ -28,6 +27,7 @@ from qevolve.hierarchy.shared import COLLECTED, load_roles_policy, role_builder
 from qevolve.hierarchy.transitions import read_transitions
 from qevolve.models.base import load_tokenizer
 from qevolve.models.policy import use_adapter
+from qevolve.params import Params
 from qevolve.policy_update import policy_kl
 from qevolve.stages.diagnosis import NO_OP_KL, contrast_warning, no_op_warning, useless
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 
-from qevolve.config import Params
 from qevolve.data.atomic import write_json
 from qevolve.data.store import read_store
 from qevolve.hierarchy.config import section
 from qevolve.hierarchy.roles import ROLES, parse_low, transitions
 from qevolve.hierarchy.shared import COLLECTED, make_agent
 from qevolve.hierarchy.transitions import write_transitions
+from qevolve.params import Params
 from qevolve.rollout import play_splits
 
 
