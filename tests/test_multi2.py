@@ -781,12 +781,12 @@ def test_repo_compat_centres_online_advantages_per_segment_and_draws_whole_segme
 
 
 def test_a_model_can_train_its_heads_at_their_own_learning_rate():
-    from qevolve.training import _by_rate
+    from qevolve.training import by_rate
 
     model = torch.nn.ModuleDict({"lm": torch.nn.Linear(2, 2), "v": torch.nn.Linear(2, 1)})
-    assert [g["lr"] for g in _by_rate(model, 1e-4)] == [1e-4]
+    assert [g["lr"] for g in by_rate(model, 1e-4)] == [1e-4]
     model.lr_by_prefix = {"v.": 1e-5}
-    groups = _by_rate(model, 1e-4)
+    groups = by_rate(model, 1e-4)
     assert [(g["lr"], len(g["params"])) for g in groups] == [(1e-4, 2), (1e-5, 2)]
 
 
