@@ -1,7 +1,7 @@
-"""The evolution as a Prefect flow: experts -> base -> bc -> evaluate@0, then `evolve.iterations` iterations
-of the method's recipe (`qevolve.recipe`), each a run of the method's sub-flow (`qevolve-iteration`:
-collect@k -> relabel@k -> critic@k -> advantage@k -> policy@k -> evaluate@k; `grpo-iteration`: online@k ->
-evaluate@k).
+"""The evolution as a Prefect flow: the method's setup (experts -> base -> bc -> evaluate@0 for most; its own
+for STEP-HRL, Multi² and TerminalTraj), then `evolve.iterations` iterations of the method's recipe
+(`qevolve.recipe`), each a run of the method's sub-flow (`<method>-iteration`; Q-Evolve's: collect@k -> relabel@k
+-> critic@k -> advantage@k -> policy@k -> diagnose@k -> evaluate@k).
 
 Each stage is a task that DVC skips when its inputs are unchanged, so a second run does no work and a
 killed run resumes at the first unfinished stage. MLflow gets one parent run per evolution and one child

@@ -435,9 +435,9 @@ class CommonParams(Section):
     """The sections every method shares; `Params` adds each method's own (`method_sections`)."""
 
     method: str = "qevolve"
-    """What an iteration is: the recipe of package `qevolve.methods.<method>` (`qevolve.recipe`):
-    `qevolve`, Q-Evolve's offline stages (collect, relabel, critic, advantage, policy), or `grpo`, the
-    online GRPO baseline (`online`; see the `online` section). Every iteration ends with `evaluate@k`."""
+    """The method: the package `qevolve.methods.<method>`, whose recipe (`qevolve.recipe`) says what its setup and
+    each iteration run (`qevolve.params.methods()` lists them: `qevolve`, `grpo`, `step_hrl`, `multi2`,
+    `terminaltraj` here; docs/ has a page for each). Every iteration ends with `evaluate@k`."""
     env: EnvConfig = EnvConfig()
     experts: ExpertsConfig = ExpertsConfig()
     model: ModelConfig = ModelConfig()

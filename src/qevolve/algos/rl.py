@@ -1,4 +1,5 @@
-"""The offline-RL maths of Q-Evolve (arXiv 2606.07367): pure torch, no I/O, no models.
+"""The RL maths every method's stages share, pure torch, no I/O, no models: Q-Evolve's IQL critic, GAE and BPPO
+(arXiv 2606.07367), AWR, the KL estimates, STEP-HRL's and Multi²'s advantage-weighted and anchored losses.
 
 1-D tensors are per trajectory (index t = step). The critic, advantage and policy stages call these.
 """
