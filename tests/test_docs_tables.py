@@ -13,7 +13,7 @@ RESULTS = [f"benchmarks/results/positive-control-0b2991a-s{k}-look-results.json"
 
 def test_every_table_in_the_docs_is_what_its_data_renders():
     blocks = sum(path.read_text().count("<!-- table: ") for path in files(REPO))
-    assert blocks >= 10  # the method tables of benchmarks/README.md
+    assert blocks >= 10  # the method tables of docs/ (qevolve, step-hrl, multi2, terminaltraj)
     assert differing(REPO) == []
 
 
@@ -28,7 +28,7 @@ def test_a_table_edited_by_hand_fails_the_check_and_is_written_again(tmp_path):
     args = _copy(tmp_path) + " | columns: seen success %, Δ seen"
     table = render(args, tmp_path)
     assert table.splitlines()[0] == "| # | row | seeds | seen success % | Δ seen |"
-    # BPPO's row of the positive control, as benchmarks/README.md quotes it (11 of 144 seen games, 3 seeds)
+    # BPPO's row of the positive control, as docs/qevolve.md quotes it (11 of 144 seen games, 3 seeds)
     assert "| 3 | Q-Evolve's update on the look mix | 3 | 7.6 [3.9, 14.5] (11/144) | +7.6 [+1.4, +16.0]" in table
     doc = tmp_path / "docs" / "page.md"
     doc.parent.mkdir()
