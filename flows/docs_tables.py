@@ -50,7 +50,12 @@ def render(args: str, root: Path = ROOT) -> str:
         table = table[:2] + [line for line in table[2:] if line.split("|")[1].strip() in keep]
     if "columns" in opts:
         table = select(table, [c.strip() for c in opts["columns"].split(",")], args)
-    missing = [i for i, r in enumerate(results, 1) if any(not any(k.endswith("/tasks") for k in s) for s in r["seeds"])]
+    shown = {line.split("|")[1].strip() for line in table[2:]}
+    missing = [
+        i
+        for i, r in enumerate(results, 1)
+        if str(i) in shown and any(not any(k.endswith("/tasks") for k in s) for s in r["seeds"])
+    ]
     note = (
         f"\nRows {', '.join(f'#{i}' for i in missing)}: their results files hold no per-task outcomes, so each episode "
         "counts as a task of its own in the interval and no paired difference is shown.\n"
