@@ -10,7 +10,7 @@ import yaml
 
 from conftest import REPO
 from qevolve.config import ConfigError
-from qevolve.params import find_profile, load_params, overlay, params_model, resolve_params
+from qevolve.params import find_profile, load_params, overlay, params_model, resolve_params, section_model
 
 
 def test_a_section_merges_key_by_key_and_a_value_replaces_whole():
@@ -83,14 +83,8 @@ def test_each_shipped_profile_lists_only_what_differs_from_params_yaml():
     def same(b, p, model, where=""):
         found = []
         for key, value in p.items():
-            field = model.model_fields.get(key) if model is not None else None
-            section = field.annotation if field is not None and isinstance(field.annotation, type) else None
-            if (
-                section is not None
-                and hasattr(section, "model_fields")
-                and isinstance(value, dict)
-                and isinstance(b.get(key), dict)
-            ):
+            section = section_model(model, key)
+            if section is not None and isinstance(value, dict) and isinstance(b.get(key), dict):
                 found += same(b[key], value, section, f"{where}{key}.")
             elif key in b and b[key] == value:
                 found.append(where + key)

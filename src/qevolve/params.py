@@ -186,7 +186,7 @@ def overlay(base: dict, changes: dict, model: type[BaseModel] | None = None) -> 
     model = params_model() if model is None else model
     out = copy.deepcopy(base)
     for key, value in changes.items():
-        section = _section(model, key)
+        section = section_model(model, key)
         if section is not None and isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = overlay(out[key], value, section)
         else:
@@ -194,7 +194,8 @@ def overlay(base: dict, changes: dict, model: type[BaseModel] | None = None) -> 
     return out
 
 
-def _section(model: type[BaseModel] | None, key: str) -> type[BaseModel] | None:
+def section_model(model: type[BaseModel] | None, key: str) -> type[BaseModel] | None:
+    """The model of `key` in `model` where that key is a section (a sub-model), else None."""
     field = model.model_fields.get(key) if model is not None else None
     kind = field.annotation if field is not None else None
     return kind if isinstance(kind, type) and issubclass(kind, BaseModel) else None
