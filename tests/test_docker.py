@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from tasks.scaleout import code_digest, load_settings
+from tests.docker_engine import NO_ENGINE, base_image, engine
 from tests.test_pipeline import REPO
 
 DOCKER = REPO / "docker"
@@ -113,30 +114,11 @@ def test_the_compose_stack_has_no_default_secret_and_listens_on_loopback():
     )
 
 
-def _engine() -> bool:
-    return (
-        shutil.which("docker") is not None and subprocess.run(["docker", "info"], capture_output=True).returncode == 0
-    )
-
-
-def _base() -> str:
-    """The base: $QEVOLVE_DOCKER_BASE, else qevolve-base:bookworm (made by docker/base.sh if missing and
-    debootstrap is at hand)."""
-    base = os.environ.get("QEVOLVE_DOCKER_BASE", "qevolve-base:bookworm")
-    if subprocess.run(["docker", "image", "inspect", base], capture_output=True).returncode != 0:
-        if base != "qevolve-base:bookworm" or not shutil.which("debootstrap"):
-            pytest.skip(f"no base image {base} and no debootstrap to make one")
-        subprocess.run([str(DOCKER / "base.sh"), base], check=True)
-    return base
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not _engine(), reason="no Docker engine runs here (install docker.io and start dockerd to run this test)"
-)
+@pytest.mark.skipif(not engine(), reason=NO_ENGINE)
 def test_the_worker_image_builds_from_a_local_base_and_holds_the_project(tmp_path):
     """A CPU torch wheel found in pip's find-links goes in the context's wheels/."""
-    base = _base()
+    base = base_image()
     context = tmp_path / "context"
     files = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
@@ -185,9 +167,7 @@ def test_the_worker_image_builds_from_a_local_base_and_holds_the_project(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not _engine(), reason="no Docker engine runs here (install docker.io and start dockerd to run this test)"
-)
+@pytest.mark.skipif(not engine(), reason=NO_ENGINE)
 def test_a_task_image_builds_from_its_dockerfile_and_the_task_plays_in_it(tmp_path):
     """`qevolve terminal-import --build`: a Harbor task whose Dockerfile installs its validators' pytest from the Debian
     mirror, FROM an image this machine cannot pull, mapped onto the local base; the sanity gate plays its oracle and a
@@ -195,7 +175,7 @@ def test_a_task_image_builds_from_its_dockerfile_and_the_task_plays_in_it(tmp_pa
     from qevolve.cli import main
     from qevolve.envs.task_images import image_tag
 
-    base = _base()
+    base = base_image()
     task = tmp_path / "src" / "count-lines"
     for d in ("environment", "tests", "solution"):
         (task / d).mkdir(parents=True)
@@ -288,7 +268,7 @@ def test_a_task_image_builds_from_its_dockerfile_and_the_task_plays_in_it(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    not _engine() or not shutil.which("docker-registry"),
+    not engine() or not shutil.which("docker-registry"),
     reason="no Docker engine or no registry here (install docker.io and docker-registry, start dockerd)",
 )
 def test_a_task_image_goes_through_a_real_registry(tmp_path):
@@ -301,7 +281,7 @@ def test_a_task_image_goes_through_a_real_registry(tmp_path):
 
     from qevolve.envs.task_images import ensure, image_tag, present
 
-    base = _base()
+    base = base_image()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

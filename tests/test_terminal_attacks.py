@@ -1,5 +1,6 @@
 """The terminal environment's trust boundary, tried as a hostile agent would: each attack is one episode through
-`TerminalEnv` on bubblewrap, on a task the agent does not solve (answer.txt must hold 42; it never writes it).
+`TerminalEnv` on bubblewrap (and, in the slow tier where a Docker engine runs, on the docker backend), on a task the
+agent does not solve (answer.txt must hold 42; it never writes it).
 Every attack must end as a lost episode with the host untouched. An honest agent wins the same task, so a
 loss is the validators' verdict, not a broken setup. Each defence's test fails on this machine without it
 (run as root, as here, the sandbox is nobody; the loopback server and host paths below are real)."""
@@ -7,11 +8,13 @@ loss is the validators' verdict, not a broken setup. Each defence's test fails o
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import textwrap
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -46,8 +49,25 @@ def lines(path: str, *content: str) -> str:
     return "printf '%s\\n' " + " ".join("'" + c.replace("'", "'\"'\"'") + "'" for c in content) + f" > {path}"
 
 
-@pytest.fixture(scope="module")
-def task_root(tmp_path_factory) -> Path:
+@dataclass(frozen=True)
+class Tasks:
+    root: Path
+    backend: dict = field(default_factory=dict)  # the TerminalConfig keys that choose the sandbox
+
+    @property
+    def sandbox(self) -> str:
+        return self.backend.get("sandbox", "bwrap")
+
+
+@pytest.fixture(scope="module", params=["bwrap", pytest.param("docker", marks=pytest.mark.slow)])
+def task_root(request, tmp_path_factory) -> Tasks:
+    backend = {}
+    if request.param == "docker":
+        from tests.docker_engine import NO_ENGINE, engine, task_runner_image
+
+        if not engine():
+            pytest.skip(NO_ENGINE)
+        backend = {"sandbox": "docker", "image": task_runner_image(tmp_path_factory.mktemp("image"))}
     root = tmp_path_factory.mktemp("tasks")
     folder = root / "train" / "answer"
     (folder / "tests").mkdir(parents=True)
@@ -65,13 +85,12 @@ def task_root(tmp_path_factory) -> Path:
             assert Path("/app/answer.txt").read_text().strip() == "42"
     """)
     )
-    return root
+    return Tasks(root, backend)
 
 
-def play(task_root: Path, commands: list[str], command_timeout: float = 10.0):
-    env = TerminalEnv(
-        str(task_root), TerminalConfig(command_timeout=command_timeout, processes=64), max_steps=len(commands) + 1
-    )
+def play(tasks: Tasks, commands: list[str], command_timeout: float = 10.0):
+    config = TerminalConfig(command_timeout=command_timeout, processes=64, **tasks.backend)
+    env = TerminalEnv(str(tasks.root), config, max_steps=len(commands) + 1)
     try:
         env.reset(env.tasks("train")[0])
         outputs = [env.step(c).observation for c in commands]
@@ -87,7 +106,7 @@ def assert_lost(last, info):
 
 def test_an_honest_agent_wins(task_root):
     last, _, info = play(task_root, ["echo 42 > answer.txt"])
-    assert last.won and last.reward == 1.0 and info["tests_passed"] == 1 and "validation_error" not in info
+    assert last.won and last.reward == 1.0 and info["tests_passed"] == 1 and "validation_error" not in info, info
 
 
 def test_a_module_shadowing_the_test_runner_does_not_run(task_root):
@@ -207,7 +226,9 @@ def test_host_secrets_are_not_readable_inside(task_root):
         ["cat /etc/shadow /etc/gshadow /root/.bashrc 2>&1; ls /etc 2>&1", "cat /proc/1/environ 2>&1 | tr '\\0' ' '"],
     )
     assert_lost(last, info)
-    assert secret not in outputs[0] and "shadow" not in outputs[0].split("\n")[-1]
+    assert secret not in outputs[0]
+    if task_root.sandbox == "bwrap":  # its /etc holds the loader's files alone; a container's is its image's
+        assert "shadow" not in outputs[0].split("\n")[-1]
 
 
 def test_a_loopback_server_on_the_host_cannot_be_reached(task_root):
@@ -253,7 +274,7 @@ def test_writes_outside_app_never_reach_the_host(task_root):
     targets = [Path("/tmp") / marker, Path(sys.prefix) / marker, Path("/usr/local") / marker, Path("/root") / marker]
     last, _, info = play(task_root, [" ; ".join(f"echo x > {t} 2>&1" for t in targets) + "; true"])
     assert_lost(last, info)
-    assert not any(t.exists() for t in targets)
+    assert not any(os.path.lexists(t) for t in targets)  # lexists: False, not an error, where /root is shut
 
 
 def test_a_fork_bomb_is_contained_and_loses(task_root):
@@ -326,3 +347,116 @@ def test_an_episode_cannot_fill_the_hosts_disk(tmp_path, sandbox):
     finally:
         env.close()
     assert not app.exists() and not os.path.ismount(app)
+
+
+HOST_USER = 1000  # the uid of a shared machine's user: not root
+
+
+def _python_for(uid: int) -> str | None:
+    """A Python of this one's version that `uid` may run and see (a sandbox binds it by its path): this one, where
+    its folders let it, else the system's."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    check = f"import os, sys; assert sys.version_info[:2] == {tuple(sys.version_info[:2])}; os.stat(sys.executable)"
+    for python in (os.path.realpath(sys.executable), shutil.which(version, path="/usr/local/bin:/usr/bin:/bin")):
+        as_uid = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", python, "-c", check]
+        if python and subprocess.run(as_uid, capture_output=True).returncode == 0:
+            return python
+    return None
+
+
+def _copy_distributions(site: Path, *names: str) -> None:
+    """Copy the installed distributions `names` and what they require (their files as installed) into `site`."""
+    from importlib.metadata import distribution
+
+    from packaging.requirements import Requirement
+
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        dist = distribution(todo.pop())
+        if dist.metadata["Name"].lower() in seen:
+            continue
+        seen.add(dist.metadata["Name"].lower())
+        todo += [r.name for r in map(Requirement, dist.requires or []) if not r.marker or r.marker.evaluate()]
+        for file in dist.files or []:
+            source, target = Path(dist.locate_file(file)), site / file
+            if source.is_file() and site in target.resolve().parents:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, target)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="run by root, the suite runs itself again as a host user that is not")
+def test_every_attack_loses_when_the_host_user_is_not_root():
+    """The same suite, run by a host user that is not root (uid 1000) in an environment made for it: bwrap makes a
+    user namespace instead of setting up as root and dropping to nobody, and two defences need root, so their
+    tests skip there: the pids cap falls back to `ulimit -u` (no cgroup may be made) and an episode's /app gets
+    no disk cap (mounting a tmpfs needs root). Every other test must pass (docs/reliability.md)."""
+    if shutil.which("setpriv") is None or (python := _python_for(HOST_USER)) is None:
+        pytest.skip(f"no Python {sys.version_info.major}.{sys.version_info.minor} that uid {HOST_USER} may run")
+    from qevolve.envs.sandbox import remove_tree
+
+    base = Path(tempfile.mkdtemp(prefix="qevolve-host-user-"))  # pytest's own tmp folders are root's alone (0700)
+    try:
+        subprocess.run([python, "-m", "venv", "--without-pip", str(base / "venv")], check=True)
+        site = next((base / "venv").glob("lib/python3*/site-packages"))
+        _copy_distributions(site, "pytest", "pydantic")
+        shutil.copytree(Path(__file__).resolve().parents[1] / "src" / "qevolve", site / "qevolve")
+        (base / "tests").mkdir()
+        shutil.copy2(__file__, base / "tests" / Path(__file__).name)
+        (base / "tmp").mkdir()
+        subprocess.run(["chown", "-R", f"{HOST_USER}:{HOST_USER}", str(base)], check=True)
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(base),
+            "TMPDIR": str(base / "tmp"),
+            "OMP_NUM_THREADS": "1",
+            "LANG": "C.UTF-8",
+        }
+        run = subprocess.run(
+            [
+                "setpriv",
+                f"--reuid={HOST_USER}",
+                f"--regid={HOST_USER}",
+                "--clear-groups",
+                str(base / "venv" / "bin" / "python"),
+                "-m",
+                "pytest",
+                "-q",
+                "-rs",
+                "-p",
+                "no:cacheprovider",
+                "-m",
+                "not slow",
+                "-c",
+                "/dev/null",
+                "--rootdir",
+                str(base),
+                "--basetemp",
+                str(base / "pytest"),
+                "--junitxml",
+                str(base / "report.xml"),
+                str(base / "tests"),
+            ],
+            cwd=base,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        import xml.etree.ElementTree as ET
+
+        cases = {c.get("name"): c for c in ET.parse(base / "report.xml").iter("testcase")}
+    finally:
+        remove_tree(base)
+    skipped = {name for name, case in cases.items() if case.find("skipped") is not None}
+    failed = {
+        name for name, case in cases.items() if case.find("failure") is not None or case.find("error") is not None
+    }
+    assert not failed and run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert skipped == {
+        "test_after_a_fork_bomb_the_next_step_answers",
+        "test_an_episode_cannot_fill_the_hosts_disk[bwrap]",
+        "test_an_episode_cannot_fill_the_hosts_disk[local]",
+        "test_every_attack_loses_when_the_host_user_is_not_root",
+    }, run.stdout[-4000:]
+    assert len(cases) - len(skipped) >= 12
