@@ -13,7 +13,8 @@ transformers and peft (the research note's section 5: ../shared/research/scaleou
    at the decode and a prefill shape, with microseconds per call;
 5. training, generation, scoring, on a randomly initialised model of Qwen2.5-0.5B's shape in bfloat16
    (`--shape tiny` for a small one): LoRA training tokens/s with the trainers' chunked loss and its model
-   FLOPs utilisation at 4N; greedy generation at 64 and 256 slots x 10 turns on each engine (`HFBackend`
+   FLOPs utilisation at 4N, with float32 adapters and TF32 off, with TF32, with the adapters in bfloat16 (as the
+   trainers run) and at twice the batch; greedy generation at 64 and 256 slots x 10 turns on each engine (`HFBackend`
    re-encoding and with reuse, `SlotEngine`, compiled as a CUDA graph), with compile time, kernels,
    `cudaGraphLaunch` and kernel-launch calls per decode step and the GPU-busy share of a profiled turn;
    `score` candidates/s and peak memory at 20 x 8 and 40 x 12 candidates x tokens per slot;
@@ -342,46 +343,71 @@ def random_lora_model(device: torch.device, shape: str):
 
 def training(device: torch.device, shape: str, peak_tflops: float) -> dict:
     """LoRA training tokens/s with the trainers' loss (`target_logprobs`: the head only at the targets, in
-    chunks) and its model FLOPs utilisation at 4N (LoRA: no weight gradients for the frozen base)."""
+    chunks) and its model FLOPs utilisation at 4N (LoRA: no weight gradients for the frozen base), in four
+    settings: the adapters' float32 matmuls as peft leaves them with TF32 off (`fp32_adapters`), the same with
+    TF32 (`tf32`), the adapters multiplied in the base's bfloat16 as the trainers run them (`bf16_adapters`), and
+    that at twice the batch (`bf16_adapters_2x`)."""
     from qevolve.algos.losses import masked_nll
-    from qevolve.models.base import target_logprobs
+    from qevolve.models.base import adapters_in_float32, target_logprobs
     from qevolve.training import per_token_parameters
 
     model, dims = random_lora_model(device, shape)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     params = per_token_parameters(
         model
     )  # the matmuls at every token: not the embedding nor the head (run at the targets)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     batch, seq = (8, 1024) if shape == "0.5b" else (2, 128)
-    ids = torch.randint(0, dims["vocab_size"], (batch, seq), device=device)
-    mask = torch.zeros_like(ids)
-    mask[:, seq // 2 :] = 1  # the loss on the second half, as actions are a share of a window
     model.train()
-    times = []
-    for i in range(6):
-        sync(device)
-        start = time.perf_counter()
-        masked_nll(target_logprobs(model, ids, mask), mask).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync(device)
-        if i >= 2:  # after warm-up
-            times.append(time.perf_counter() - start)
-    step = sorted(times)[len(times) // 2]
-    tokens_s = batch * seq / step
-    out = {
+
+    def measure(batch: int) -> dict:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        ids = torch.randint(0, dims["vocab_size"], (batch, seq), device=device)
+        mask = torch.zeros_like(ids)
+        mask[:, seq // 2 :] = 1  # the loss on the second half, as actions are a share of a window
+        times = []
+        for i in range(6):
+            sync(device)
+            start = time.perf_counter()
+            masked_nll(target_logprobs(model, ids, mask), mask).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync(device)
+            if i >= 2:  # after warm-up
+                times.append(time.perf_counter() - start)
+        step = sorted(times)[len(times) // 2]
+        tokens_s = batch * seq / step
+        out = {
+            "batch": batch,
+            "tokens_s": round(tokens_s),
+            "step_s": round(step, 4),
+            "mfu_4n": round(4 * params * tokens_s / (peak_tflops * 1e12), 3) if peak_tflops else None,
+        }
+        if device.type == "cuda":
+            out["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        return out
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        with adapters_in_float32():
+            runs = {"fp32_adapters": measure(batch)}
+            torch.backends.cuda.matmul.allow_tf32 = True
+            runs["tf32"] = measure(batch)
+        runs["bf16_adapters"] = measure(batch)
+        runs["bf16_adapters_2x"] = measure(2 * batch)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    best = max(runs.values(), key=lambda r: r["tokens_s"])
+    return {
         "shape": shape,
         "per_token_parameters": params,
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "train_tokens_s": round(tokens_s),
-        "train_step_s": round(step, 4),
-        "train_mfu_4n": round(4 * params * tokens_s / (peak_tflops * 1e12), 3) if peak_tflops else None,
+        "dtype": str(next(p for p in model.parameters() if not p.requires_grad).dtype).removeprefix("torch."),
+        "adapter_dtype": str(next(p for p in model.parameters() if p.requires_grad).dtype).removeprefix("torch."),
+        **{f"{name}_{key}": value for name, run in runs.items() for key, value in run.items() if key != "batch"},
+        "train_tokens_s": best["tokens_s"],
+        "train_mfu_4n": best["mfu_4n"],
     }
-    if device.type == "cuda":
-        out["train_peak_memory_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-    return out
 
 
 def engines(model, device: torch.device) -> dict:

@@ -161,3 +161,40 @@ def test_a_token_budget_and_compiled_layers_change_how_the_update_is_computed_no
     assert train_speed(model, curve) == {"train_tokens": 400, "tokens_per_s": 100.0}  # no peak known for a CPU
     speed = train_speed(model, curve, TrainRunConfig(peak_tflops=2.0))
     assert speed["mfu"] == pytest.approx(4 * n * 100.0 / 2e12)
+
+
+def test_adapters_multiply_in_a_bfloat16_bases_dtype_and_keep_float32_weights(tiny_base):
+    """On a bfloat16 base (a GPU's `auto`), the LoRA matmuls of a training pass run in bfloat16 (a GPU's tensor
+    cores) while peft keeps the adapter's weights, and so AdamW's steps, in float32; BC still learns. On a float32
+    base nothing is cast."""
+    from qevolve.models.base import adapters_in_float32
+
+    def lora_outputs(model) -> list[torch.dtype]:
+        seen = []
+        for name, module in model.named_modules():
+            if name.endswith("lora_A.default"):
+                module.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+        return seen
+
+    torch.manual_seed(0)
+    lora = {"r": 4, "alpha": 8, "dropout": 0.0, "train_embeddings": False}
+    model, tok = load_policy(tiny_base, ModelConfig(dtype="bfloat16", lora=lora))
+    seen = lora_outputs(model)
+    examples = _examples(tok)
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert start and all(p.dtype == torch.float32 for p in start.values())
+    with adapters_in_float32():
+        bc_step(model, [examples[:1]], tok.pad_token_id)
+    assert seen and set(seen) == {torch.float32}  # what peft does alone: the adapters off the tensor cores
+    seen.clear()
+    curve = train(model, examples, CFG, lambda e: len(e[0]), lambda m: bc_step(model, m, tok.pad_token_id), "bf16")
+    assert seen and set(seen) == {torch.bfloat16}
+    assert curve[-1]["loss"] < curve[0]["loss"]
+    after = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert all(p.dtype == torch.float32 for p in after.values())
+    assert any(not torch.equal(start[n], p) for n, p in after.items())
+
+    model, tok = load_policy(tiny_base, ModelConfig(lora=lora))  # float32 on a CPU
+    seen = lora_outputs(model)
+    bc_step(model, [examples[:1]], tok.pad_token_id)
+    assert seen and set(seen) == {torch.float32}

@@ -14,7 +14,7 @@ from torch import nn
 from qevolve.data.atomic import atomic_dir
 from qevolve.errors import artifact
 from qevolve.hierarchy.roles import ROLES, encode
-from qevolve.models.base import causal_lm
+from qevolve.models.base import base_dtype_compute, causal_lm
 from qevolve.models.device import model_device, pad_ids
 from qevolve.models.policy import load_policy, save_adapters
 
@@ -39,7 +39,7 @@ class LevelCritic(nn.Module):
 
     def features(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         backbone = causal_lm(self.lm).base_model
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen), base_dtype_compute(self.lm):
             return backbone(input_ids=ids, attention_mask=attn).last_hidden_state.float()
 
     @torch.no_grad()

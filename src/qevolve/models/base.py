@@ -11,6 +11,7 @@ it again. Either way `load_base` returns (model, tokenizer) through `from_pretra
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -237,6 +238,30 @@ def causal_lm(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+_ADAPTERS_IN_BASE_DTYPE = [True]
+
+
+def base_dtype_compute(model) -> contextlib.AbstractContextManager:
+    """Autocast to the base's dtype where that is a 16-bit float, for a pass that trains or scores `model`. peft keeps
+    LoRA adapters in float32 beside a bfloat16 base (AdamW's steps on 16-bit weights would round away), so their
+    matmuls would run in float32, off a GPU's tensor cores; under this they multiply in the base's dtype, their
+    weights, gradients and updates still float32. A float32 base (a CPU's `auto`): nothing changes."""
+    frozen = next((p for p in model.parameters() if not p.requires_grad and p.is_floating_point()), None)
+    if not _ADAPTERS_IN_BASE_DTYPE[0] or frozen is None or frozen.dtype not in (torch.bfloat16, torch.float16):
+        return contextlib.nullcontext()
+    return torch.autocast(frozen.device.type, dtype=frozen.dtype)
+
+
+@contextlib.contextmanager
+def adapters_in_float32():
+    """Turn `base_dtype_compute` off (the GPU check measures training both ways)."""
+    _ADAPTERS_IN_BASE_DTYPE[0] = False
+    try:
+        yield
+    finally:
+        _ADAPTERS_IN_BASE_DTYPE[0] = True
+
+
 def target_logprobs(model, ids: torch.Tensor, mask: torch.Tensor | None = None, **inputs) -> torch.Tensor:
     """log p(ids[b, t + 1]) under `model` (B, T - 1), float32: at the positions whose next token `mask` (B, T)
     marks (every position without one), zero elsewhere. `inputs` go to the model (attention_mask,
@@ -251,10 +276,13 @@ def target_logprobs(model, ids: torch.Tensor, mask: torch.Tensor | None = None, 
     from qevolve.algos.losses import head_logprobs, token_logprobs
 
     if isinstance(model, FSDPModule):
-        logp = token_logprobs(model(input_ids=ids, **inputs).logits, ids)
+        with base_dtype_compute(model):
+            logits = model(input_ids=ids, **inputs).logits
+        logp = token_logprobs(logits, ids)
         return logp if mask is None else logp * (mask[:, 1:] != 0)
     lm = causal_lm(model)
-    hidden = lm.base_model(input_ids=ids, use_cache=False, **inputs).last_hidden_state[:, :-1]
+    with base_dtype_compute(model):
+        hidden = lm.base_model(input_ids=ids, use_cache=False, **inputs).last_hidden_state[:, :-1]
     want = torch.ones_like(ids[:, 1:], dtype=torch.bool) if mask is None else mask[:, 1:] != 0
     at = want.nonzero(as_tuple=True)
     logp = head_logprobs(hidden[at], lm.get_output_embeddings(), ids[:, 1:][at])
@@ -265,6 +293,7 @@ def next_token_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, **inputs) 
     """log p(· | ids[b, : t + 1]) over the whole vocabulary, float32 (N, vocabulary): one row per position whose next
     token `mask` (B, T) marks, in row-major order. The head runs at those positions only."""
     lm = causal_lm(model)
-    hidden = lm.base_model(input_ids=ids, use_cache=False, **inputs).last_hidden_state[:, :-1]
+    with base_dtype_compute(model):
+        hidden = lm.base_model(input_ids=ids, use_cache=False, **inputs).last_hidden_state[:, :-1]
     at = (mask[:, 1:] != 0).nonzero(as_tuple=True)
     return torch.log_softmax(lm.get_output_embeddings()(hidden[at]).float(), dim=-1)

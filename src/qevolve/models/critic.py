@@ -19,7 +19,7 @@ from qevolve.algos.rl import step_weights
 from qevolve.config import ModelConfig
 from qevolve.data.store import Trajectory
 from qevolve.errors import artifact
-from qevolve.models.base import causal_lm
+from qevolve.models.base import base_dtype_compute, causal_lm
 from qevolve.models.device import is_main, model_device, pad_ids
 from qevolve.models.policy import load_policy, save_adapters
 from qevolve.models.prompt import PromptBuilder, Window
@@ -46,7 +46,8 @@ class Critic(nn.Module):
     def forward(self, ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(V, Q, target Q) at every position, each (B, T)."""
         backbone = causal_lm(self.lm).base_model  # the transformer without its LM head
-        h = backbone(input_ids=ids, attention_mask=attn).last_hidden_state.float()
+        with base_dtype_compute(self.lm):
+            h = backbone(input_ids=ids, attention_mask=attn).last_hidden_state.float()
         return self.v(h).squeeze(-1), self.q(h).squeeze(-1), self.q_target(h).squeeze(-1)
 
     @torch.no_grad()
