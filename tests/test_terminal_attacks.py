@@ -14,6 +14,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -352,14 +353,18 @@ def test_an_episode_cannot_fill_the_hosts_disk(tmp_path, sandbox):
 HOST_USER = 1000  # the uid of a shared machine's user: not root
 
 
+def as_user(uid: int) -> list[str]:
+    """The command prefix that runs a command as `uid`, with no group and no capability of root's."""
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+
+
 def _python_for(uid: int) -> str | None:
     """A Python of this one's version that `uid` may run and see (a sandbox binds it by its path): this one, where
     its folders let it, else the system's."""
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     check = f"import os, sys; assert sys.version_info[:2] == {tuple(sys.version_info[:2])}; os.stat(sys.executable)"
     for python in (os.path.realpath(sys.executable), shutil.which(version, path="/usr/local/bin:/usr/bin:/bin")):
-        as_uid = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", python, "-c", check]
-        if python and subprocess.run(as_uid, capture_output=True).returncode == 0:
+        if python and subprocess.run([*as_user(uid), python, "-c", check], capture_output=True).returncode == 0:
             return python
     return None
 
@@ -412,39 +417,17 @@ def test_every_attack_loses_when_the_host_user_is_not_root():
             "OMP_NUM_THREADS": "1",
             "LANG": "C.UTF-8",
         }
+        pytest_args = ["-q", "-rs", "-p", "no:cacheprovider", "-m", "not slow", "-c", "/dev/null"]
         run = subprocess.run(
-            [
-                "setpriv",
-                f"--reuid={HOST_USER}",
-                f"--regid={HOST_USER}",
-                "--clear-groups",
-                str(base / "venv" / "bin" / "python"),
-                "-m",
-                "pytest",
-                "-q",
-                "-rs",
-                "-p",
-                "no:cacheprovider",
-                "-m",
-                "not slow",
-                "-c",
-                "/dev/null",
-                "--rootdir",
-                str(base),
-                "--basetemp",
-                str(base / "pytest"),
-                "--junitxml",
-                str(base / "report.xml"),
-                str(base / "tests"),
-            ],
+            [*as_user(HOST_USER), str(base / "venv" / "bin" / "python"), "-m", "pytest", *pytest_args]
+            + ["--rootdir", str(base), "--basetemp", str(base / "pytest"), "--junitxml", str(base / "report.xml")]
+            + [str(base / "tests")],
             cwd=base,
             env=env,
             capture_output=True,
             text=True,
             timeout=900,
         )
-        import xml.etree.ElementTree as ET
-
         cases = {c.get("name"): c for c in ET.parse(base / "report.xml").iter("testcase")}
     finally:
         remove_tree(base)
