@@ -60,15 +60,27 @@ class Tasks:
         return self.backend.get("sandbox", "bwrap")
 
 
-@pytest.fixture(scope="module", params=["bwrap", pytest.param("docker", marks=pytest.mark.slow)])
-def task_root(request, tmp_path_factory) -> Tasks:
-    backend = {}
-    if request.param == "docker":
-        from tests.docker_engine import NO_ENGINE, engine, task_runner_image
+BACKENDS = ["bwrap", pytest.param("docker", marks=pytest.mark.slow)]
 
-        if not engine():
-            pytest.skip(NO_ENGINE)
-        backend = {"sandbox": "docker", "image": task_runner_image(tmp_path_factory.mktemp("image"))}
+
+@pytest.fixture(scope="module")
+def docker_image(tmp_path_factory) -> str:
+    """An image with bash, python3 and pytest, where a Docker engine runs (the slow tier)."""
+    from tests.docker_engine import NO_ENGINE, engine, task_runner_image
+
+    if not engine():
+        pytest.skip(NO_ENGINE)
+    return task_runner_image(tmp_path_factory.mktemp("image"))
+
+
+def _backend(request, sandbox: str) -> dict:
+    """The TerminalConfig keys of `sandbox` (docker: its image)."""
+    return {"sandbox": "docker", "image": request.getfixturevalue("docker_image")} if sandbox == "docker" else {}
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def task_root(request, tmp_path_factory) -> Tasks:
+    backend = _backend(request, request.param)
     root = tmp_path_factory.mktemp("tasks")
     folder = root / "train" / "answer"
     (folder / "tests").mkdir(parents=True)
@@ -285,16 +297,17 @@ def test_a_fork_bomb_is_contained_and_loses(task_root):
     assert time.monotonic() - start < 90
 
 
-@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
-def test_after_a_fork_bomb_the_next_step_answers(tmp_path):
+@pytest.mark.parametrize("sandbox", BACKENDS)
+def test_after_a_fork_bomb_the_next_step_answers(tmp_path, request, sandbox):
     """A bomb left forking in the background fills the sandbox's process cap; the next step finds it there, kills
     every process but the shell, and answers: 10 tries of 10 (before, the shell was starved in about half)."""
     from qevolve.envs.sandbox import Limits, Session
 
+    image = _backend(request, sandbox).get("image", "")
     for trial in range(10):
-        session = Session("bwrap", tmp_path, Limits(processes=64))
+        session = Session(sandbox, tmp_path, Limits(processes=64), image=image)
         try:
-            if not any((g / "pids.max").exists() for g in session.cgroups):
+            if sandbox == "bwrap" and not any((g / "pids.max").exists() for g in session.cgroups):
                 pytest.skip(
                     "no pids cgroup this process may make: the cap is `ulimit -u`, shared by the uid's processes"
                 )
@@ -305,9 +318,7 @@ def test_after_a_fork_bomb_the_next_step_answers(tmp_path):
             assert time.monotonic() - started < 5
         finally:
             session.close()
-    session = Session(
-        "bwrap", tmp_path, Limits(processes=64)
-    )  # background jobs that hold still are the agent's to keep
+    session = Session(sandbox, tmp_path, Limits(processes=64), image=image)  # jobs that hold still are the agent's
     try:
         session.run("sleep 60 & sleep 60 &", timeout=5)
         assert session.run("jobs -r | wc -l", timeout=5).output.strip() == "2"
@@ -324,8 +335,8 @@ def test_whatever_breaks_validation_loses_instead_of_dropping_the_episode(task_r
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the disk cap is a tmpfs qevolve mounts, which needs root")
-@pytest.mark.parametrize("sandbox", ["bwrap", "local"])
-def test_an_episode_cannot_fill_the_hosts_disk(tmp_path, sandbox):
+@pytest.mark.parametrize("sandbox", [*BACKENDS, "local"])
+def test_an_episode_cannot_fill_the_hosts_disk(tmp_path, request, sandbox):
     """5 GB written in /app, at once and in 250 MB files, fails inside the sandbox at `disk_mb`; the host's disk does
     not move; the cap goes with the episode."""
     if sandbox == "bwrap" and shutil.which("bwrap") is None:
@@ -333,7 +344,8 @@ def test_an_episode_cannot_fill_the_hosts_disk(tmp_path, sandbox):
     (tmp_path / "tasks" / "train" / "t" / "tests").mkdir(parents=True)
     (tmp_path / "tasks" / "train" / "t" / "instruction.md").write_text("Do nothing.\n")
     (tmp_path / "tasks" / "train" / "t" / "task.toml").write_text('[metadata]\ncategory = "x"\n')
-    env = TerminalEnv(str(tmp_path / "tasks"), TerminalConfig(sandbox=sandbox, disk_mb=64, file_mb=4096), max_steps=5)
+    config = TerminalConfig(disk_mb=64, file_mb=4096, **({"sandbox": sandbox} | _backend(request, sandbox)))
+    env = TerminalEnv(str(tmp_path / "tasks"), config, max_steps=5)
     free = shutil.disk_usage(tempfile.gettempdir()).free
     try:
         env.reset(env.tasks("train")[0])
@@ -437,7 +449,7 @@ def test_every_attack_loses_when_the_host_user_is_not_root():
     }
     assert not failed and run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert skipped == {
-        "test_after_a_fork_bomb_the_next_step_answers",
+        "test_after_a_fork_bomb_the_next_step_answers[bwrap]",
         "test_an_episode_cannot_fill_the_hosts_disk[bwrap]",
         "test_an_episode_cannot_fill_the_hosts_disk[local]",
         "test_every_attack_loses_when_the_host_user_is_not_root",

@@ -309,6 +309,7 @@ class Session:
         self.mounts = tuple((Path(host).resolve(), inside, writable) for host, inside, writable in mounts)
         self.container = f"qevolve-{os.getpid()}-{secrets.token_hex(6)}" if backend == "docker" else None
         self.cgroups = _cgroups(limits) if backend == "bwrap" else []
+        self.container_group: Path | None = None  # docker's cgroup of the container, where this host shows it
         if backend != "local":  # the sandbox's user writes there
             for folder in [self.workdir, *(host for host, _, writable in self.mounts if writable)]:
                 hand_over(folder)
@@ -532,10 +533,17 @@ class Session:
         chunks.put(b"")  # end of output: the shell exited
 
     def _find_shell(self) -> int:
-        """The sandbox's bash as this host numbers it: the Popen process itself, or under bwrap its first bash
-        descendant (a container's processes are not this host's children: it is not looked for)."""
-        if self.backend in ("local", "docker"):
+        """The sandbox's bash as this host numbers it: the Popen process itself, under bwrap its first bash
+        descendant, under docker the container's first process (its bash) where the engine runs on this host, whose
+        cgroup then caps the container's processes (`container_group`); else the client."""
+        if self.backend == "local":
             return self.proc.pid
+        if self.backend == "docker":
+            inspect = ["docker", "inspect", "--format", "{{.State.Pid}}", self.container]
+            done = subprocess.run(inspect, capture_output=True, text=True, timeout=60)
+            pid = int(done.stdout.strip()) if done.stdout.strip().isdigit() else 0
+            self.container_group = _pids_cgroup_of(pid) if pid and _comm(pid) == "bash" else None
+            return pid if self.container_group is not None else self.proc.pid
         for _ in range(100):
             for pid in _descendants(self.proc.pid):
                 if _comm(pid) == "bash":
@@ -569,7 +577,7 @@ class Session:
 
     def _pids_group(self) -> Path | None:
         """The cgroup whose `pids.max` caps this sandbox (cgroup v1's pids hierarchy, or v2's unified group)."""
-        return next((g for g in self.cgroups if (g / "pids.max").exists()), None)
+        return self.container_group or next((g for g in self.cgroups if (g / "pids.max").exists()), None)
 
     def _reap_runaway(self) -> int:
         """Before a command: a sandbox at its process cap (within 2) has everything but its shell killed; how many
@@ -677,7 +685,8 @@ class Session:
         return Result(text, code if code >= 0 else 128 - code, restarted=restart)
 
     def _kill_children(self) -> None:
-        if self.backend == "docker":  # from inside: kill(-1) spares PID 1, the shell, and the caller
+        if self.backend == "docker" and self.container_group is None:  # from inside: kill(-1) spares PID 1, the shell
+            # (at the container's process cap `docker exec` cannot start: only the host-side kill below ends a bomb)
             subprocess.run(
                 ["docker", "exec", self.container, "bash", "-c", "kill -9 -1"], capture_output=True, timeout=30
             )
@@ -764,6 +773,22 @@ def _comm(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
+
+
+def _pids_cgroup_of(pid: int) -> Path | None:
+    """The cgroup holding `pid` whose `pids.max` caps it (cgroup v1's pids hierarchy or v2's unified one), or None."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, where = line.split(":", 2)
+        if controllers and "pids" not in controllers.split(","):
+            continue
+        group = Path("/sys/fs/cgroup", *(["pids"] if controllers else []), where.lstrip("/"))
+        if (group / "pids.max").exists():
+            return group
+    return None
 
 
 CPU_PERIOD_US = 100_000
