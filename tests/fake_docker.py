@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from qevolve.envs.sandbox import _comm, _descendants
+from qevolve.envs.host import comm, descendants
 
 argv = sys.argv[1:]
 state = Path(os.environ["FAKE_DOCKER_STATE"])
@@ -119,8 +119,8 @@ if argv[0] == "run":
     )
 if argv[0] == "exec" and argv[2:] == ["bash", "-c", "kill -9 -1"]:
     pid = int((state / argv[1]).read_text())
-    shell = next(p for p in _descendants(pid) if _comm(p) == "bash")
-    for p in _descendants(shell):
+    shell = next(p for p in descendants(pid) if comm(p) == "bash")
+    for p in descendants(shell):
         os.kill(p, signal.SIGKILL)
     sys.exit(0)
 if argv[:2] == ["rm", "-f"]:

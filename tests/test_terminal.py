@@ -183,9 +183,9 @@ def test_an_unknown_or_missing_backend_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def _under(pid: int) -> list[int]:
-    from qevolve.envs.sandbox import _descendants
+    from qevolve.envs.host import descendants
 
-    return _descendants(pid) if pid > 0 and os.path.exists(f"/proc/{pid}") else []
+    return descendants(pid) if pid > 0 and os.path.exists(f"/proc/{pid}") else []
 
 
 def _task(root, name="count", split="train", tests=None, solve="wc -l < data.txt > count.txt\n", toml=None):
@@ -1658,7 +1658,7 @@ def test_whatever_an_agent_sends_its_episode_is_counted_and_lost(tmp_path, sandb
 def test_hand_over_and_removal_reach_any_depth(tmp_path):
     """A tree 10,000 folders deep (past PATH_MAX; Python's `os.walk` and `shutil.rmtree` recurse and fail at about
     1,000): given to the sandbox's user, then removed, with a folder the agent closed on the way."""
-    from qevolve.envs.sandbox import SANDBOX_UID, hand_over, remove_tree
+    from qevolve.envs.host import SANDBOX_UID, hand_over, remove_tree
 
     top = tmp_path / "app"
     top.mkdir()

@@ -410,7 +410,7 @@ def test_every_attack_loses_when_the_host_user_is_not_root():
     no disk cap (mounting a tmpfs needs root). Every other test must pass (docs/reliability.md)."""
     if shutil.which("setpriv") is None or (python := _python_for(HOST_USER)) is None:
         pytest.skip(f"no Python {sys.version_info.major}.{sys.version_info.minor} that uid {HOST_USER} may run")
-    from qevolve.envs.sandbox import remove_tree
+    from qevolve.envs.host import remove_tree
 
     base = Path(tempfile.mkdtemp(prefix="qevolve-host-user-"))  # pytest's own tmp folders are root's alone (0700)
     try:

@@ -102,7 +102,7 @@ class TerminalConfig(Section):
     """Largest file a command may write; a task's `[environment] storage_mb` lowers it."""
     disk_mb: int = Field(512, ge=0)
     """What an episode's /app may hold in all: where qevolve runs as root it is a tmpfs of this size mounted on the
-    host's episode folder (`qevolve.envs.sandbox.cap_folder`), so a write past it fails inside the sandbox and
+    host's episode folder (`qevolve.envs.host.cap_folder`), so a write past it fails inside the sandbox and
     the host's disk never sees it (the pages count against the sandbox's memory). 0, or a host that is not root:
     no cap but `file_mb` per file."""
     tmp_mb: int = Field(64, gt=0)

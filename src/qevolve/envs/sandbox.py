@@ -15,8 +15,11 @@ Backends (`env.terminal.sandbox`):
 - `docker`: a container of `env.terminal.image` (which must hold bash, python3 and pytest: images are not pulled), or of
   a task's own image (`qevolve.envs.task_images`), with the episode folder at /app (a task image's working directory),
   no network, a read-only root, a tmpfs /tmp, every capability dropped, memory, process and file-size limits, run as
-  this host's user (nobody's when that is root); a timed-out command's processes are killed from inside (`docker exec …
-  kill -9 -1`: everything but the shell, PID 1), and closing removes the container.
+  this host's user (nobody's when that is root); a timed-out command's processes, and a fork bomb at the process cap,
+  are killed from this host through the container's cgroup where the engine runs here (else from inside, `docker exec
+  … kill -9 -1`: everything but the shell, PID 1), and closing removes the container.
+
+What the sandbox does on this host, outside it (the episode folder, processes, cgroups): `qevolve.envs.host`.
 - `local`: bash in the episode folder with no isolation at all, for tests and trusted tasks; refused unless
   asked for by name.
 
@@ -38,7 +41,6 @@ import re
 import secrets
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import threading
@@ -46,6 +48,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from qevolve.envs.host import (
+    SANDBOX_UID,
+    ancestors,
+    comm,
+    descendants,
+    hand_over,
+    host_uid,
+    kill,
+    make_cgroups,
+    pids_cgroup_of,
+)
 from qevolve.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -65,8 +78,6 @@ GRACE_S = 2.0
 START_S = {"bwrap": 30.0, "local": 30.0, "docker": 300.0}
 """How long a sandbox may take to start its shell: a container of a large image takes a while where the engine
 copies its layers (`--storage-driver=vfs`: 33 s for a 1.1 GB image on a busy 2-core machine)."""
-SANDBOX_UID = 65534
-"""The host uid and gid a sandbox runs as when qevolve runs as root (nobody's): never root."""
 ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "nsswitch.conf", "localtime")
 NETWORK_ETC = ("resolv.conf", "hosts", "ssl", "ca-certificates")
 """What a sandbox with the network also reads of the host's /etc: name resolution and the CA certificates."""
@@ -86,88 +97,6 @@ def encode(command: str) -> bytes:
     """A command's bytes for bash: UTF-8, with lone surrogates (which no decoder makes, but an agent's text may
     hold) passed through as bytes rather than raising."""
     return command.encode("utf-8", errors="surrogatepass")
-
-
-def host_uid() -> int:
-    """The host uid a sandbox runs as: this process's, or `SANDBOX_UID` when that is root."""
-    return SANDBOX_UID if os.geteuid() == 0 else os.geteuid()
-
-
-def hand_over(folder: Path) -> None:
-    """Make `folder` (and everything in it, links not followed) the sandbox user's, so it can write there.
-
-    coreutils walks a tree of any depth; Python's `os.walk` recurses, and a tree an agent made 1,500 folders
-    deep raised `RecursionError` when the validators' sandbox took its /app over."""
-    uid = host_uid()
-    if uid == os.geteuid():
-        return
-    done = subprocess.run(
-        ["chown", "-R", "-h", "-P", f"{uid}:{uid}", "--", str(folder)], capture_output=True, text=True
-    )
-    if done.returncode:
-        log.warning("sandbox: chown of %s to uid %d: %s", folder, uid, done.stderr.strip()[:300])
-
-
-_told: dict[str, bool] = {}
-
-
-def cap_folder(folder: Path, mb: int) -> bool:
-    """Mount a tmpfs of `mb` MiB on `folder` (empty; root only): what a sandbox writes under it stops at that size,
-    held in memory rather than on the host's disk. False, with a warning, where it cannot be (not root, or
-    the mount refused); `release_folder` undoes it."""
-    if not mb:
-        return False
-    if os.geteuid() != 0:
-        if not _told.get("root"):
-            _told["root"] = True
-            log.warning(
-                "sandbox: not root: an episode's /app gets no disk cap (env.terminal.disk_mb), only file_mb per file"
-            )
-        return False
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={mb}m,mode=0755,nosuid,nodev", "qevolve-app", str(folder)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode:
-        log.warning("sandbox: no disk cap for %s: mount refused: %s", folder, done.stderr.strip()[:300])
-        return False
-    return True
-
-
-def release_folder(folder: Path) -> None:
-    """Unmount `cap_folder`'s tmpfs (lazily: a process still holding a file there does not keep it mounted)."""
-    done = subprocess.run(["umount", "--lazy", str(folder)], capture_output=True, text=True)
-    if done.returncode:
-        log.warning("sandbox: %s could not be unmounted: %s", folder, done.stderr.strip()[:300])
-
-
-def remove_tree(path: Path) -> None:
-    """Delete `path` and whatever a sandbox left in it: a tree of any depth, folders it took the permissions of
-    (on a host that is not root), links (removed, never followed). A failure is logged, never raised: the next
-    episode starts in a folder of its own."""
-    if not os.path.lexists(path):
-        return
-    subprocess.run(["chmod", "-R", "u+rwX", "--", str(path)], capture_output=True)  # chmod -R ignores links
-    done = subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], capture_output=True, text=True)
-    if os.path.lexists(path):
-        log.warning("sandbox: %s could not be removed: %s", path, done.stderr.strip()[:300])
-
-
-def read_regular(path: Path, limit: int = 16 << 20) -> bytes:
-    """The bytes of `path`, which must be a regular file of at most `limit` bytes: never through a link, and
-    never blocking on a FIFO or a device a sandbox may have left in its place."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as err:
-        raise ValueError(f"{path}: cannot be opened as a plain file ({err.strerror})") from None
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path}: not a regular file")
-        data = fh.read(limit + 1)
-    if len(data) > limit:
-        raise ValueError(f"{path}: larger than {limit} bytes")
-    return data
 
 
 class SandboxError(UserError, RuntimeError):
@@ -308,7 +237,7 @@ class Session:
         self.inside = inside if backend == "docker" else "/app"
         self.mounts = tuple((Path(host).resolve(), inside, writable) for host, inside, writable in mounts)
         self.container = f"qevolve-{os.getpid()}-{secrets.token_hex(6)}" if backend == "docker" else None
-        self.cgroups = _cgroups(limits) if backend == "bwrap" else []
+        self.cgroups = make_cgroups(limits.processes, limits.memory_mb, limits.cpus) if backend == "bwrap" else []
         self.container_group: Path | None = None  # docker's cgroup of the container, where this host shows it
         if backend != "local":  # the sandbox's user writes there
             for folder in [self.workdir, *(host for host, _, writable in self.mounts if writable)]:
@@ -542,11 +471,11 @@ class Session:
             inspect = ["docker", "inspect", "--format", "{{.State.Pid}}", self.container]
             done = subprocess.run(inspect, capture_output=True, text=True, timeout=60)
             pid = int(done.stdout.strip()) if done.stdout.strip().isdigit() else 0
-            self.container_group = _pids_cgroup_of(pid) if pid and _comm(pid) == "bash" else None
+            self.container_group = pids_cgroup_of(pid) if pid and comm(pid) == "bash" else None
             return pid if self.container_group is not None else self.proc.pid
         for _ in range(100):
-            for pid in _descendants(self.proc.pid):
-                if _comm(pid) == "bash":
+            for pid in descendants(self.proc.pid):
+                if comm(pid) == "bash":
                     return pid
             time.sleep(0.01)
         raise SandboxError(f"env.terminal.sandbox: no bash found under bwrap (pid {self.proc.pid})")
@@ -612,11 +541,11 @@ class Session:
         bomb refills freed slots); else the shell's descendants. How many were killed."""
         group = self._pids_group()
         if group is None:
-            victims = _descendants(self.shell_pid) if self.shell_pid else []
+            victims = descendants(self.shell_pid) if self.shell_pid else []
             for pid in victims:
-                _kill(pid)
+                kill(pid)
             return len(victims)
-        keep = {self.shell_pid, *_ancestors(self.shell_pid, self.proc.pid)}
+        keep = {self.shell_pid, *ancestors(self.shell_pid, self.proc.pid)}
         killed: set[int] = set()
 
         def members() -> set[int]:
@@ -641,7 +570,7 @@ class Session:
                     break
                 continue
             for pid in victims:
-                _kill(pid)
+                kill(pid)
             killed |= victims
         return len(killed)
 
@@ -667,7 +596,7 @@ class Session:
                         self._start()
                     return Result(text, 137, timed_out=True, restarted=restart)
                 timed_out = True
-                self._kill_children()
+                self._killchildren()
                 deadline = time.monotonic() + GRACE_S
                 continue
             if not chunk:
@@ -684,7 +613,7 @@ class Session:
             self._start()
         return Result(text, code if code >= 0 else 128 - code, restarted=restart)
 
-    def _kill_children(self) -> None:
+    def _killchildren(self) -> None:
         if self.backend == "docker" and self.container_group is None:  # from inside: kill(-1) spares PID 1, the shell
             # (at the container's process cap `docker exec` cannot start: only the host-side kill below ends a bomb)
             subprocess.run(
@@ -727,112 +656,3 @@ class Session:
                 self.close()
             except Exception:  # at interpreter exit, subprocess may be gone: the PID namespace / --rm still end it
                 pass
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _ancestors(pid: int, top: int) -> list[int]:
-    """The processes above `pid`, up to and including `top` (or to init)."""
-    out = []
-    while pid not in (top, 0, 1):
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-        out.append(pid)
-    return out
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process under `pid`, parents before children."""
-    found, todo = [], _children(pid)
-    while todo:
-        p = todo.pop(0)
-        found.append(p)
-        todo += _children(p)
-    return found
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
-def _pids_cgroup_of(pid: int) -> Path | None:
-    """The cgroup holding `pid` whose `pids.max` caps it (cgroup v1's pids hierarchy or v2's unified one), or None."""
-    try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, where = line.split(":", 2)
-        if controllers and "pids" not in controllers.split(","):
-            continue
-        group = Path("/sys/fs/cgroup", *(["pids"] if controllers else []), where.lstrip("/"))
-        if (group / "pids.max").exists():
-            return group
-    return None
-
-
-CPU_PERIOD_US = 100_000
-
-
-def _cgroups(limits: Limits) -> list[Path]:
-    """Fresh cgroups capping a sandbox's processes (`pids.max`) and, where the controller is there, its memory
-    as a whole (`memory.limit_in_bytes`, v2 `memory.max`) and its CPU time (`cpu.cfs_quota_us` per
-    `CPU_PERIOD_US`, v2 `cpu.max`), where this host lets us make them; else none."""
-    memory, quota = str(limits.memory_mb << 20), str(round(limits.cpus * CPU_PERIOD_US))
-    pids = _cgroup(Path("/sys/fs/cgroup/pids"), {"pids.max": str(limits.processes)})  # cgroup v1
-    if pids is not None:
-        cpu = {"cpu.cfs_period_us": str(CPU_PERIOD_US), "cpu.cfs_quota_us": quota} if limits.cpus else None
-        more = [
-            _cgroup(Path("/sys/fs/cgroup/memory"), {"memory.limit_in_bytes": memory}),
-            cpu and _cgroup(Path("/sys/fs/cgroup/cpu"), cpu),
-        ]
-        return [pids] + [g for g in more if g]
-    unified = _cgroup(
-        Path("/sys/fs/cgroup"),
-        {"pids.max": str(limits.processes)},  # v2
-        {"memory.max": memory, **({"cpu.max": f"{quota} {CPU_PERIOD_US}"} if limits.cpus else {})},
-    )
-    return [unified] if unified is not None else []
-
-
-def _cgroup(root: Path, settings: dict[str, str], optional: dict[str, str] | None = None) -> Path | None:
-    """A new cgroup under `root` with `settings` written (and `optional` where they can be), or None."""
-    if not (root / "cgroup.procs").exists() or not os.access(root, os.W_OK):
-        return None
-    group = root / f"qevolve-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        group.mkdir()
-        for name, value in settings.items():
-            (group / name).write_text(value)
-        for name, value in (optional or {}).items():
-            try:
-                (group / name).write_text(value)
-            except OSError:
-                pass
-        return group
-    except OSError:
-        try:
-            group.rmdir()
-        except OSError:
-            pass
-        return None

@@ -52,17 +52,8 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from qevolve.envs.base import Observation, Step, Task, check_types
-from qevolve.envs.sandbox import (
-    Limits,
-    SandboxError,
-    Session,
-    available,
-    cap_folder,
-    encode,
-    read_regular,
-    release_folder,
-    remove_tree,
-)
+from qevolve.envs.host import cap_folder, read_regular, release_folder, remove_tree
+from qevolve.envs.sandbox import Limits, SandboxError, Session, available, encode
 from qevolve.envs.task_images import ensure, export_workdir, image_tag, workdir
 
 SUBMIT = "submit"
