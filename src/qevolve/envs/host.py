@@ -99,6 +99,7 @@ def read_regular(path: Path, limit: int = 16 << 20) -> bytes:
 
 
 def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (every thread's children)."""
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
@@ -109,6 +110,7 @@ def children(pid: int) -> list[int]:
 
 
 def kill(pid: int) -> None:
+    """SIGKILL to `pid`, which may be gone already."""
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -138,6 +140,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def comm(pid: int) -> str:
+    """The command name of `pid` (empty when it is gone)."""
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:

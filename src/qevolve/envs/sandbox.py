@@ -18,10 +18,10 @@ Backends (`env.terminal.sandbox`):
   this host's user (nobody's when that is root); a timed-out command's processes, and a fork bomb at the process cap,
   are killed from this host through the container's cgroup where the engine runs here (else from inside, `docker exec
   … kill -9 -1`: everything but the shell, PID 1), and closing removes the container.
-
-What the sandbox does on this host, outside it (the episode folder, processes, cgroups): `qevolve.envs.host`.
 - `local`: bash in the episode folder with no isolation at all, for tests and trusted tasks; refused unless
   asked for by name.
+
+What the sandbox does on this host, outside it (the episode folder, processes, cgroups): `qevolve.envs.host`.
 
 A command's output is stdout and stderr together, undecodable bytes replaced, ECMA-48 control functions removed, cut to
 `output_bytes` as Terminus-2 does (the first and last halves, with a note of what was left out). Its end
