@@ -596,7 +596,7 @@ class Session:
                         self._start()
                     return Result(text, 137, timed_out=True, restarted=restart)
                 timed_out = True
-                self._killchildren()
+                self._kill_children()
                 deadline = time.monotonic() + GRACE_S
                 continue
             if not chunk:
@@ -613,7 +613,7 @@ class Session:
             self._start()
         return Result(text, code if code >= 0 else 128 - code, restarted=restart)
 
-    def _killchildren(self) -> None:
+    def _kill_children(self) -> None:
         if self.backend == "docker" and self.container_group is None:  # from inside: kill(-1) spares PID 1, the shell
             # (at the container's process cap `docker exec` cannot start: only the host-side kill below ends a bomb)
             subprocess.run(
