@@ -99,6 +99,14 @@ def test_step_hrl_learns_from_the_experts_store_alone_and_its_control_weighs_eve
     # measures)
     else:
         assert policy["weight_mean"] != 1.0
+        # benchmarks.step_advantages groups the same transitions and gives them the weights the actor used
+        from benchmarks.step_advantages import groups
+
+        found = groups(params, tmp_path, 1, "look")
+        assert sum(len(xs) for (level, *_), xs in found.items() if level == "low") == critic["low_transitions"]
+        weights = [w for xs in found.values() for *_, w in xs]
+        assert len(weights) == policy["examples"] and sum(weights) / len(weights) == pytest.approx(policy["weight_mean"])
+        assert {source for _, source, *_ in found} == {"expert", "corrupted"}
 
 
 def test_a_corrupted_episode_puts_a_fixed_action_in_the_experts_place_where_it_is_valid():

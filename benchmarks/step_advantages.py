@@ -1,0 +1,62 @@
+"""What a hierarchical method's step-level critics made of a mistake: for iteration k of a STEP-HRL (or Multi²)
+workspace, the advantage, V, Q and AWR weight `critic@k` gave each level's transitions, grouped by source (expert
+or corrupted), outcome, and whether the output is the positive control's mistake (`--action`, default `look`).
+
+A critic that sees what the mistake costs gives it a lower advantage than the other actions of the same episodes;
+the weight column is what `policy@k` multiplies its log-likelihood by (min(exp(A / beta), max_weight)).
+
+    python -m benchmarks.step_advantages runs/shpc-s0/look-outcome-s0 [--iteration 1] [--action look]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from benchmarks import workspace_params
+from qevolve import paths
+from qevolve.data.store import read_checked
+from qevolve.hierarchy.config import section
+from qevolve.hierarchy.shared import ADVANTAGE_SCHEMA, ADVANTAGES, training_sets
+from qevolve.stages.hierarchical import ANNOTATED
+
+
+def groups(params, ws: Path, k: int, action: str) -> dict[tuple, list[tuple[float, float, float]]]:
+    """(level, source, won, is the mistake) -> [(advantage, V, weight)] over the transitions `policy@k` trains on."""
+    cfg = section(params)
+    rows = read_checked(ws / paths.advantages(k) / ADVANTAGES, ADVANTAGE_SCHEMA, "1").to_pylist()
+    critic = {(r["trajectory_id"], r["level"], r["step"]): (r["advantage"], r["v"]) for r in rows}
+    sets = training_sets(params, ws / ANNOTATED, ws / paths.collected(k))
+    out = defaultdict(list)
+    for level, rows in sets.items():
+        for r in rows:
+            a, v = critic[(r["trajectory_id"], level, r["step"])]
+            w = min(math.exp(a / cfg.policy.beta), cfg.policy.max_weight) if hasattr(cfg, "policy") else float("nan")
+            mistake = r["output_text"].split(";")[0].strip() == action
+            out[(level, r["source"], r["won"], mistake)].append((a, v, w))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workspace", type=Path)
+    ap.add_argument("--iteration", type=int, default=1)
+    ap.add_argument("--action", default="look", help="the positive control's mistake (experts.corrupt.action)")
+    args = ap.parse_args()
+    params = workspace_params(args.workspace)
+    print(f"{args.workspace}, critic@{args.iteration}, reward {section(params).reward}; mistake: {args.action!r}")
+    print("| level | source | won | output | n | mean V | mean A | A std | mean weight |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|")
+    found = groups(params, args.workspace, args.iteration, args.action)
+    for (level, source, won, mistake), xs in sorted(found.items()):
+        a, v, w = (statistics.fmean(c) for c in zip(*xs))
+        std = statistics.stdev([x[0] for x in xs]) if len(xs) > 1 else 0.0
+        output = args.action if mistake else "other"
+        print(f"| {level} | {source} | {won} | {output} | {len(xs)} | {v:.3f} | {a:+.4f} | {std:.4f} | {w:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
