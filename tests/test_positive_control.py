@@ -105,7 +105,8 @@ def test_step_hrl_learns_from_the_experts_store_alone_and_its_control_weighs_eve
         found = groups(params, tmp_path, 1, "look")
         assert sum(len(xs) for (level, *_), xs in found.items() if level == "low") == critic["low_transitions"]
         weights = [w for xs in found.values() for *_, w in xs]
-        assert len(weights) == policy["examples"] and sum(weights) / len(weights) == pytest.approx(policy["weight_mean"])
+        assert len(weights) == policy["examples"]
+        assert sum(weights) / len(weights) == pytest.approx(policy["weight_mean"])
         assert {source for _, source, *_ in found} == {"expert", "corrupted"}
 
 

@@ -153,7 +153,7 @@ def test_transitions_carry_the_papers_rewards_done_flags_and_next_states():
         x.reward for x in low
     ]
     # the public code penalises only ScienceWorld's rejection text, so never on ALFWorld
-    assert [x.reward for x in transitions(t, labels, RolePrompts("alfworld"), compat_rejections=True)["low"]] == [
+    assert [x.reward for x in transitions(t, labels, RolePrompts("alfworld"), compat_converters=True)["low"]] == [
         0.0,
         1.0,
         0.0,
@@ -169,6 +169,13 @@ def test_transitions_carry_the_papers_rewards_done_flags_and_next_states():
         and not cut["low"][-1].done
         and "obs 2" in cut["low"][-1].next_state_text
     )
+    # the episode's end string is no state to bootstrap: a lost episode's last high and progress transitions are
+    # done (worth their reward, 0), the low level's cut-off subtask bootstraps where it stopped; the public
+    # converters leave them to the environment's done, False at the step cap
+    assert cut["high"][-1].done and cut["progress"][-1].done and cut["progress"][-1].next_state_text == FAILED
+    assert [x.done for x in cut["progress"]] == [False, True] and cut["high"][-1].reward == 0.0
+    compat = transitions(lost, rule_labels("alfworld", lost), RolePrompts("alfworld"), compat_converters=True)
+    assert not compat["high"][-1].done and not any(x.done for x in compat["progress"])
 
 
 def test_low_outputs_parse_into_action_and_flag():

@@ -79,8 +79,9 @@ class HierarchyConfig(Section):
         return ("high", "low", "progress")
 
     @property
-    def compat_rejections(self) -> bool:
-        """Count a step as rejected only on ScienceWorld's rejection text (STEP-HRL's public code)."""
+    def compat_converters(self) -> bool:
+        """STEP-HRL's public converters: a step counts as rejected only on ScienceWorld's rejection text, and an
+        episode's end string is done only where the environment said so (`qevolve.hierarchy.roles.transitions`)."""
         return False
 
     @property

@@ -130,12 +130,16 @@ def transitions(
     traj: Trajectory,
     labels: list[Label],
     prompts: RolePrompts,
-    compat_rejections: bool = False,
+    compat_converters: bool = False,
     rejected_penalty: float = 1.0,
 ) -> dict[str, list[Transition]]:
     """The high, low and progress transitions of one annotated trajectory (progress: none when
-    `prompts.progress` is off). `compat_rejections`: count a rejected action only on ScienceWorld's
-    rejection text, as STEP-HRL's public converters do (so never on ALFWorld), instead of every invalid step."""
+    `prompts.progress` is off). The high and progress levels' last transition leads to the episode's end string
+    (`FINISHED`, `PARTIAL`, `FAILED`), a state no one acts from, so it is done: a lost episode's last high
+    transition is worth its reward and nothing after. `compat_converters`, as STEP-HRL's public converters do:
+    count a rejected action only on ScienceWorld's rejection text (so never on ALFWorld) instead of every invalid
+    step, and make the last transitions done only where the environment said so (an episode cut off at the step
+    cap then bootstraps the critic's value of the end string, which no transition trains)."""
     if len(labels) != len(traj.steps):
         raise ValueError(f"trajectory {traj.trajectory_id}: {len(labels)} labels for {len(traj.steps)} steps")
     steps = traj.steps
@@ -146,7 +150,7 @@ def transitions(
     )
 
     def rejected(t: int) -> bool:
-        return steps[t].next_observation.strip() == SCIENCEWORLD_REJECTED if compat_rejections else not steps[t].valid
+        return steps[t].next_observation.strip() == SCIENCEWORLD_REJECTED if compat_converters else not steps[t].valid
 
     starts = [t for t in range(len(steps)) if t == 0 or labels[t - 1].ends]
     segment_start = [max(s for s in starts if s <= t) for t in range(len(steps))]
@@ -174,7 +178,7 @@ def transitions(
                 state_text=high_states[k],
                 output_text=labels[t].subtask,
                 reward=float(sum(s.reward for s in steps[t : last + 1])),
-                done=steps[last].done,
+                done=steps[last].done or (k + 1 == len(starts) and not compat_converters),
                 next_state_text=high_states[k + 1] if k + 1 < len(starts) else end,
             )
         )
@@ -217,7 +221,7 @@ def transitions(
                     state_text=state,
                     output_text=label.progress,
                     reward=reward,
-                    done=label.ends,
+                    done=label.ends or (final and not compat_converters),
                     next_state_text=nxt,
                 )
             )

@@ -43,13 +43,14 @@ class StepHRLConfig(HierarchyConfig):
     repo_compat: bool = False
     """Reproduce the public code's effective update instead of the paper's: the actor minimises
     -mean(A * log pi) (its AWR weights are computed and ignored), V is a lower expectile (tau = 0.05), the
-    critic heads read the policy's frozen features, and a rejected action is penalised only on
-    ScienceWorld's rejection text (so never on ALFWorld)."""
+    critic heads read the policy's frozen features, a rejected action is penalised only on ScienceWorld's
+    rejection text (so never on ALFWorld), and an episode cut off at the step cap is not done at its end
+    string (the critics bootstrap a value no transition trains)."""
     critic: StepCriticConfig = StepCriticConfig()
     policy: StepPolicyConfig = StepPolicyConfig()
 
     @property
-    def compat_rejections(self) -> bool:
+    def compat_converters(self) -> bool:
         return self.repo_compat
 
     @property

@@ -31,13 +31,13 @@ def offline_data_params(name: str) -> tuple[str, ...]:
 
 def reward_params(name: str, compat: tuple[str, ...] = ()) -> tuple[str, ...]:
     """What makes an episode's transitions (their rewards), for `collect@k` and `evaluate`; `compat`, the keys
-    behind the section's `compat_rejections`."""
+    behind the section's `compat_converters`."""
     return (f"{name}.rejected_penalty", *compat)
 
 
 def hierarchical_stages(name: str, compat: tuple[str, ...] = ()) -> dict[str, Stage]:
     """annotate, bc, collect, critic, diagnose (iteration k) reading section `name`; `compat`, the keys behind
-    the section's `compat_rejections` and `compat_critic`."""
+    the section's `compat_converters` and `compat_critic`."""
     rewards = reward_params(name, compat)
     return {
         "annotate": Stage(

@@ -44,7 +44,7 @@ def annotate(params: Params, experts_dir: Path, base_dir: Path, out: Path, metri
             params.env.name, t, labels, f"{key} = {cfg.llm_url!r}" if cfg.annotator == "llm" else "the rule annotator"
         )
         subtasks += labels[-1].subtask_index + 1
-        for role, rows in transitions(t, labels, prompts, cfg.compat_rejections, cfg.rejected_penalty).items():
+        for role, rows in transitions(t, labels, prompts, cfg.compat_converters, cfg.rejected_penalty).items():
             sets[role] += rows
     write_transitions(out, sets, lambda text: len(tok.encode(text, add_special_tokens=False)))
     high, low = sets["high"], sets["low"]

@@ -38,7 +38,7 @@ def collect(
     for t in trajs:
         if t.steps:
             for role, rows in transitions(
-                t, agent.labels[t.trajectory_id], agent.prompts, hrl.compat_rejections, hrl.rejected_penalty
+                t, agent.labels[t.trajectory_id], agent.prompts, hrl.compat_converters, hrl.rejected_penalty
             ).items():
                 sets[role] += rows
     with atomic_dir(out) as tmp:

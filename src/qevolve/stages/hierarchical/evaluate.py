@@ -37,7 +37,7 @@ def evaluate(
     for t in played:
         if t.steps:
             for role, rows in transitions(
-                t, agent.labels[t.trajectory_id], agent.prompts, hrl.compat_rejections, hrl.rejected_penalty
+                t, agent.labels[t.trajectory_id], agent.prompts, hrl.compat_converters, hrl.rejected_penalty
             ).items():
                 sets[role] += rows
     write_transitions(out / COLLECTED, sets, lambda text: len(agent.tok.encode(text, add_special_tokens=False)))
