@@ -100,7 +100,7 @@ def test_step_hrl_learns_from_the_experts_store_alone_and_its_control_weighs_eve
     else:
         assert policy["weight_mean"] != 1.0
         # benchmarks.step_advantages groups the same transitions and gives them the weights the actor used
-        from benchmarks.step_advantages import groups
+        from benchmarks.step_advantages import groups, shared_states
 
         found = groups(params, tmp_path, 1, "look")
         assert sum(len(xs) for (level, *_), xs in found.items() if level == "low") == critic["low_transitions"]
@@ -108,6 +108,8 @@ def test_step_hrl_learns_from_the_experts_store_alone_and_its_control_weighs_eve
         assert len(weights) == policy["examples"]
         assert sum(weights) / len(weights) == pytest.approx(policy["weight_mean"])
         assert {source for _, source, *_ in found} == {"expert", "corrupted"}
+        shared, follow = shared_states(tmp_path, "look")
+        assert 0 <= shared <= 1 and 0 <= follow <= 1
 
 
 def test_a_corrupted_episode_puts_a_fixed_action_in_the_experts_place_where_it_is_valid():
