@@ -1,9 +1,10 @@
-"""What a hierarchical method's step-level critics made of a mistake: for iteration k of a STEP-HRL (or Multi²)
-workspace, the advantage, V, Q and AWR weight `critic@k` gave each level's transitions, grouped by source (expert
-or corrupted), outcome, and whether the output is the positive control's mistake (`--action`, default `look`).
+"""What STEP-HRL's step-level critics made of a mistake: for iteration k of a STEP-HRL workspace, the advantage,
+V and AWR weight `critic@k` gave each level's transitions, grouped by source (expert or corrupted), outcome, and
+whether the output is the positive control's mistake (`--action`, default `look`).
 
 A critic that sees what the mistake costs gives it a lower advantage than the other actions of the same episodes;
-the weight column is what `policy@k` multiplies its log-likelihood by (min(exp(A / beta), max_weight)).
+the weight column is what `policy@k` multiplies its log-likelihood by (min(exp(A / beta), max_weight), with A
+standardised under `step_hrl.policy.standardize` and 1 for the constant-advantage control).
 
     python -m benchmarks.step_advantages runs/shpc-s0/look-outcome-s0 [--iteration 1] [--action look]
 """
@@ -22,6 +23,7 @@ from qevolve.data.store import read_checked, read_store
 from qevolve.hierarchy.config import section
 from qevolve.hierarchy.shared import ADVANTAGE_SCHEMA, ADVANTAGES, training_sets
 from qevolve.hierarchy.transitions import read_transitions
+from qevolve.methods.step_hrl.policy import weighed_by
 from qevolve.stages.experts import CORRUPTED
 from qevolve.stages.hierarchical import ANNOTATED
 
@@ -32,13 +34,14 @@ def groups(params, ws: Path, k: int, action: str) -> dict[tuple, list[tuple[floa
     rows = read_checked(ws / paths.advantages(k) / ADVANTAGES, ADVANTAGE_SCHEMA, "1").to_pylist()
     critic = {(r["trajectory_id"], r["level"], r["step"]): (r["advantage"], r["v"]) for r in rows}
     sets = training_sets(params, ws / ANNOTATED, ws / paths.collected(k))
+    rows = [(level, r) for level, rs in sets.items() for r in rs]
+    values = [critic[(r["trajectory_id"], level, r["step"])] for level, r in rows]
+    weighed = weighed_by([(level, [], [], a) for (level, _), (a, _) in zip(rows, values)], cfg.policy, cfg.repo_compat)
     out = defaultdict(list)
-    for level, rows in sets.items():
-        for r in rows:
-            a, v = critic[(r["trajectory_id"], level, r["step"])]
-            w = min(math.exp(a / cfg.policy.beta), cfg.policy.max_weight) if hasattr(cfg, "policy") else float("nan")
-            mistake = r["output_text"].split(";")[0].strip() == action
-            out[(level, r["source"], r["won"], mistake)].append((a, v, w))
+    for (level, r), (a, v), (*_, actor_a) in zip(rows, values, weighed):
+        w = min(math.exp(actor_a / cfg.policy.beta), cfg.policy.max_weight)
+        mistake = r["output_text"].split(";")[0].strip() == action
+        out[(level, r["source"], r["won"], mistake)].append((a, v, w))
     return out
 
 

@@ -67,9 +67,9 @@ def test_corrupted_episodes_need_a_listing_environment_and_stay_within_the_draw(
         parse_params(raw)
 
 
-@pytest.mark.parametrize("constant", [False, True])
+@pytest.mark.parametrize("constant, standardize", [(False, False), (True, False), (False, True)])
 def test_step_hrl_learns_from_the_experts_store_alone_and_its_control_weighs_every_output_one(
-    tmp_path, monkeypatch, constant, alfworld_data
+    tmp_path, monkeypatch, constant, standardize, alfworld_data
 ):
     # ALFWorld: its rule annotator cuts failed episodes into subtasks too (TextCraft's refuses them, naming the subtask)
     raw = _tiny("alfworld", tmp_path)
@@ -78,7 +78,7 @@ def test_step_hrl_learns_from_the_experts_store_alone_and_its_control_weighs_eve
     raw["method"] = "step_hrl"
     raw["step_hrl"] = {
         "critic": {"epochs": 1, "batch_size": 4},
-        "policy": {"epochs": 1, "batch_size": 4, "constant_advantage": constant},
+        "policy": {"epochs": 1, "batch_size": 4, "constant_advantage": constant, "standardize": standardize},
         "progress_tokens": 8,
         "collected": False,
         "reward": "outcome",
@@ -108,6 +108,9 @@ def test_step_hrl_learns_from_the_experts_store_alone_and_its_control_weighs_eve
         assert len(weights) == policy["examples"]
         assert sum(weights) / len(weights) == pytest.approx(policy["weight_mean"])
         assert {source for _, source, *_ in found} == {"expert", "corrupted"}
+        # standardised, the same advantages move the weights by e^(±1/beta) where raw ones barely move them
+        spread = torch.tensor(weights).log().std().item() * params.step_hrl.policy.beta
+        assert spread == pytest.approx(1.0, abs=0.05) if standardize else spread < 0.5
         shared, follow = shared_states(tmp_path, "look")
         assert 0 <= shared <= 1 and 0 <= follow <= 1
 

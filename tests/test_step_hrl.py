@@ -249,6 +249,16 @@ def test_length_normalised_logprob_and_the_repos_actor_loss_match_hand_computed_
     assert torch.isclose(advantage_pg_loss(logp, adv), torch.tensor(-(0.5 * -1.0 + -1.0 * -2.0) / 2))  # = -0.75
 
 
+def test_standardize_scales_each_roles_advantages_to_mean_zero_and_spread_one():
+    from qevolve.methods.step_hrl.policy import standardized
+
+    items = [("high", [1], [1], 1.0), ("low", [2], [1], 5.0), ("high", [3], [1], 3.0), ("low", [4], [1], 5.0)]
+    out = standardized(items)
+    # high: mean 2, sample standard deviation sqrt(2); low: all equal, so 0 rather than a division by zero
+    assert [a for *_, a in out] == pytest.approx([-(2**-0.5), 0.0, 2**-0.5, 0.0])
+    assert [x[:3] for x in out] == [x[:3] for x in items]
+
+
 def test_mix_keeps_every_expert_transition_and_at_most_two_collected_per_expert():
     expert, collected = [{"e": i} for i in range(10)], [{"c": i} for i in range(8)]
     mixed = mix(expert, collected, 2.0, seed=0)

@@ -28,6 +28,11 @@ class StepPolicyConfig(TrainConfig):
     """Advantage temperature: weights exp(A / beta) (the paper's best, 0.95)."""
     max_weight: float = Field(20.0, gt=0)
     """Weights are clipped at this value."""
+    standardize: bool = False
+    """A departure from the paper: standardise each level's advantages (zero mean, unit spread over the outputs this
+    update trains on) before the weights exp(A / beta). The paper's exp(A / beta) on raw advantages moves a weight
+    by about A / beta, and a step-level critic's advantages can be far smaller than beta (a wasted step costs one
+    discount, (1 - gamma) V): docs/step-hrl.md, "The positive control"."""
     constant_advantage: bool = False
     """The control row of a learning claim: every output's advantage is the one at which its weight is 1 (AWR:
     A = 0; `repo_compat`'s A·log π: A = 1), so the update runs the same optimiser on the same data with no credit

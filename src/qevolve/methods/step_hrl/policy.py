@@ -2,8 +2,9 @@
 mixed as for `critic@k`) is weighted by min(exp(A / beta), max_weight), A from `critic@k`, and the loss is
 the mean over outputs of -weight * (the output's length-normalised log-likelihood): the paper's AWR. With
 `step_hrl.repo_compat` the loss is -mean(A * log-likelihood), the public code's effective update. With
-separate adapters (`step_hrl.adapters`), each role's outputs train its own. `step_hrl.policy.constant_advantage`
-is the control: every weight 1."""
+separate adapters (`step_hrl.adapters`), each role's outputs train its own. `step_hrl.policy.standardize` (a
+departure) standardises each role's advantages first. `step_hrl.policy.constant_advantage` is the control: every
+weight 1."""
 
 from __future__ import annotations
 
@@ -62,6 +63,25 @@ def actor_step(
     return sums
 
 
+def weighed_by(items: list[Item], cfg, repo_compat: bool) -> list[Item]:
+    """The items with the advantages the actor weighs their outputs by: the critic's (`items`), each role's
+    standardised (`standardize`), or, for the control (`constant_advantage`), the one at which the weight is 1."""
+    if cfg.constant_advantage:
+        return [(*it[:3], 1.0 if repo_compat else 0.0) for it in items]
+    return standardized(items) if cfg.standardize else items
+
+
+def standardized(items: list[Item]) -> list[Item]:
+    """`step_hrl.policy.standardize`: each role's advantages shifted and scaled to mean 0 and standard deviation 1
+    (a role whose advantages are all equal gets 0)."""
+    stats = {}
+    for role in {it[0] for it in items}:
+        a = torch.tensor([it[3] for it in items if it[0] == role], dtype=torch.float64)
+        spread = float(a.std()) if len(a) > 1 else 0.0
+        stats[role] = (float(a.mean()), spread if spread > 0 else float("inf"))
+    return [(role, ids, mask, (a - stats[role][0]) / stats[role][1]) for role, ids, mask, a in items]
+
+
 def policy(
     params: Params,
     base_dir: Path,
@@ -82,13 +102,8 @@ def policy(
     for role in ROLES:
         for r in sets[role]:
             a = advantage_of(advantages, advantage_dir, role, r)
-            items.append(
-                (
-                    role,
-                    *encode(builder, r["state_text"], r["output_text"]),
-                    (1.0 if hrl.repo_compat else 0.0) if cfg.constant_advantage else a,
-                )
-            )
+            items.append((role, *encode(builder, r["state_text"], r["output_text"]), a))
+    items = weighed_by(items, cfg, hrl.repo_compat)
     weights = torch.exp(torch.tensor([a for *_, a in items]) / cfg.beta).clamp(max=cfg.max_weight)
     start = time.perf_counter()
     curve = train(
@@ -116,6 +131,7 @@ def policy(
         ),
         "repo_compat": hrl.repo_compat,
         "constant_advantage": cfg.constant_advantage,
+        "standardize": cfg.standardize,
     }
     return save_and_report(
         lambda: save_roles_policy(model, out, previous_dir),
