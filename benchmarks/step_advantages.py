@@ -34,11 +34,12 @@ def groups(params, ws: Path, k: int, action: str) -> dict[tuple, list[tuple[floa
     rows = read_checked(ws / paths.advantages(k) / ADVANTAGES, ADVANTAGE_SCHEMA, "1").to_pylist()
     critic = {(r["trajectory_id"], r["level"], r["step"]): (r["advantage"], r["v"]) for r in rows}
     sets = training_sets(params, ws / ANNOTATED, ws / paths.collected(k))
-    rows = [(level, r) for level, rs in sets.items() for r in rs]
-    values = [critic[(r["trajectory_id"], level, r["step"])] for level, r in rows]
-    weighed = weighed_by([(level, [], [], a) for (level, _), (a, _) in zip(rows, values)], cfg.policy, cfg.repo_compat)
+    trained = [(level, r) for level, rs in sets.items() for r in rs]
+    values = [critic[(r["trajectory_id"], level, r["step"])] for level, r in trained]
+    items = [(level, [], [], a) for (level, _), (a, _) in zip(trained, values)]
+    weighed = weighed_by(items, cfg.policy, cfg.repo_compat)
     out = defaultdict(list)
-    for (level, r), (a, v), (*_, actor_a) in zip(rows, values, weighed):
+    for (level, r), (a, v), (*_, actor_a) in zip(trained, values, weighed):
         w = min(math.exp(actor_a / cfg.policy.beta), cfg.policy.max_weight)
         mistake = r["output_text"].split(";")[0].strip() == action
         out[(level, r["source"], r["won"], mistake)].append((a, v, w))
@@ -61,7 +62,7 @@ def shared_states(ws: Path, action: str) -> tuple[float, float]:
             continue
         for run in runs:
             total += len(run)
-            followed += max((_prefix(run, demo) for demo in episodes["expert", task]), default=0)
+            followed += max((_prefix(run, demo) for demo in episodes.get(("expert", task), [])), default=0)
     return sum(r["state_text"] in clean for r in corrupted) / max(len(corrupted), 1), followed / max(total, 1)
 
 
