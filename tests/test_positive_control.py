@@ -67,9 +67,11 @@ def test_corrupted_episodes_need_a_listing_environment_and_stay_within_the_draw(
         parse_params(raw)
 
 
-@pytest.mark.parametrize("constant, standardize", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize(
+    "constant, standardize, time_aware", [(False, False, False), (True, False, False), (False, True, True)]
+)
 def test_step_hrl_learns_from_the_experts_store_alone_and_its_control_weighs_every_output_one(
-    tmp_path, monkeypatch, constant, standardize, alfworld_data
+    tmp_path, monkeypatch, constant, standardize, time_aware, alfworld_data
 ):
     # ALFWorld: its rule annotator cuts failed episodes into subtasks too (TextCraft's refuses them, naming the subtask)
     raw = _tiny("alfworld", tmp_path)
@@ -77,7 +79,7 @@ def test_step_hrl_learns_from_the_experts_store_alone_and_its_control_weighs_eve
     raw["experts"]["corrupt"] = {"episodes": 6, "share": 0.7}
     raw["method"] = "step_hrl"
     raw["step_hrl"] = {
-        "critic": {"epochs": 1, "batch_size": 4},
+        "critic": {"epochs": 1, "batch_size": 4, "time_aware": time_aware},
         "policy": {"epochs": 1, "batch_size": 4, "constant_advantage": constant, "standardize": standardize},
         "progress_tokens": 8,
         "collected": False,
@@ -85,11 +87,19 @@ def test_step_hrl_learns_from_the_experts_store_alone_and_its_control_weighs_eve
     }
     params = parse_params(raw)
     monkeypatch.chdir(tmp_path)
+    import qevolve.stages.hierarchical.critic as critic_stage
+
+    real, read = critic_stage.critic_items, []
+    monkeypatch.setattr(critic_stage, "critic_items", lambda builder, sets: read.append(sets) or real(builder, sets))
     metrics = {}
     for stage, k in pipeline(params, 1):
         if stage not in ("evaluate", "diagnose"):
             metrics[stage if k is None else f"{stage}@{k}"] = run_stage(stage, params, k)
     critic, policy = metrics["critic@1"], metrics["policy@1"]
+    # time_aware: every state the critics read, and every next state, ends with the steps taken before it
+    texts = [r[key] for rows in read[0].values() for r in rows for key in ("state_text", "next_state_text")]
+    assert critic["time_aware"] is time_aware
+    assert sum("\nSteps taken: " in text for text in texts) == (len(texts) if time_aware else 0)
     # every transition the critic and the actor read is annotated from the experts' store: demonstrations and corrupted
     assert critic["low_transitions"] == metrics["annotate"]["low_transitions"] and 0 < critic["low_expert_share"] < 1
     assert policy["constant_advantage"] is constant

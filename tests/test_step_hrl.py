@@ -13,6 +13,7 @@ from qevolve.algos.rl import advantage_pg_loss
 from qevolve.config import ConfigError
 from qevolve.data.store import SchemaError, StepRecord, Trajectory
 from qevolve.hierarchy.annotators import AnnotatorError, Label, llm_labels, rule_labels
+from qevolve.hierarchy.critic import with_steps
 from qevolve.hierarchy.roles import FAILED, FINISHED, RolePrompts, parse_low, transitions
 from qevolve.hierarchy.shared import mix
 from qevolve.hierarchy.transitions import read_transitions, write_transitions
@@ -176,6 +177,38 @@ def test_transitions_carry_the_papers_rewards_done_flags_and_next_states():
     assert [x.done for x in cut["progress"]] == [False, True] and cut["high"][-1].reward == 0.0
     compat = transitions(lost, rule_labels("alfworld", lost), RolePrompts("alfworld"), compat_converters=True)
     assert not compat["high"][-1].done and not any(x.done for x in compat["progress"])
+
+
+def test_a_time_aware_critic_reads_the_steps_taken_before_each_state_and_after_it():
+    t = _traj(["go to desk 1", "take pen 1 from desk 1", "go to shelf 1", "move pen 1 to shelf 1"])
+    sets = {
+        role: [{**vars(x), "level": role} for x in rows]
+        for role, rows in transitions(t, rule_labels("alfworld", t), RolePrompts("alfworld")).items()
+    }
+    timed = with_steps(sets)
+
+    def taken(text):
+        return int(text.rsplit("\nSteps taken: ", 1)[1])
+
+    # low and progress: step t before, t + 1 after; high: its subtask's first step, then the next subtask's, and
+    # the episode's length after the last
+    for role in ("low", "progress"):
+        assert [(taken(r["state_text"]), taken(r["next_state_text"])) for r in timed[role]] == [
+            (0, 1),
+            (1, 2),
+            (2, 3),
+            (3, 4),
+        ]
+    assert [(taken(r["state_text"]), taken(r["next_state_text"])) for r in timed["high"]] == [(0, 2), (2, 4)]
+    # only the texts change, and a state the paper's critic reads is the same text with the count after it
+    for role, rows in sets.items():
+        for r, s in zip(rows, timed[role]):
+            assert s["state_text"].startswith(r["state_text"] + "\n") and s["next_state_text"].startswith(
+                r["next_state_text"] + "\n"
+            )
+            assert {k: v for k, v in s.items() if not k.endswith("state_text")} == {
+                k: v for k, v in r.items() if not k.endswith("state_text")
+            }
 
 
 def test_low_outputs_parse_into_action_and_flag():

@@ -89,6 +89,11 @@ class HierarchyConfig(Section):
         """Critic heads on the policy's frozen features with V a lower expectile, tau 0.05 (STEP-HRL's public code)."""
         return False
 
+    @property
+    def critic_time_aware(self) -> bool:
+        """The critics read the steps taken before each state (STEP-HRL's `critic.time_aware`, a departure)."""
+        return False
+
 
 def section_name(params) -> str:
     """The running method, whose section a hierarchical stage reads. Not a recorded read: a stage belongs to

@@ -94,6 +94,41 @@ def critic_items(builder, sets: dict[str, list[dict]], action_end: bool = False)
     return items
 
 
+STEPS_TAKEN = "Steps taken: {}"
+
+
+def with_steps(sets: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """`<method>.critic.time_aware`: every state and next state of `sets` (the transitions of whole episodes, every
+    level's) ends with the environment steps taken before it (`STEPS_TAKEN`): the low and progress levels' step t
+    and t + 1, the high level's at its subtask's first step and at the next subtask's, or at the episode's end.
+    The critic then sees the time an episode has left under its step cap, so a step that changes nothing costs
+    what it costs in time, not one discount (Pardo et al. 2018, "Time Limits in Reinforcement Learning")."""
+    ends: dict[str, int] = {}
+    starts: dict[str, list[int]] = {}
+    for role, rows in sets.items():
+        for r in rows:
+            ends[r["trajectory_id"]] = max(ends.get(r["trajectory_id"], 0), r["step"] + 1)
+            if role == "high":
+                starts.setdefault(r["trajectory_id"], []).append(r["step"])
+
+    def after(role: str, r: dict) -> int:
+        if role != "high":
+            return r["step"] + 1
+        return min((s for s in starts[r["trajectory_id"]] if s > r["step"]), default=ends[r["trajectory_id"]])
+
+    return {
+        role: [
+            {
+                **r,
+                "state_text": f"{r['state_text']}\n{STEPS_TAKEN.format(r['step'])}",
+                "next_state_text": f"{r['next_state_text']}\n{STEPS_TAKEN.format(after(role, r))}",
+            }
+            for r in rows
+        ]
+        for role, rows in sets.items()
+    }
+
+
 def _following(rows: list[dict]) -> dict[int, int]:
     """Row index -> the index of the next row of its segment (trajectory, subtask) by step, where there is one."""
     segments: dict[tuple, list[int]] = {}

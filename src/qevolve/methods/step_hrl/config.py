@@ -16,6 +16,12 @@ class StepCriticConfig(LevelCriticConfig):
     """`critic@k`: one critic per level. `expectile`: the public code's `weight_tau: 0.95`, applied the other
     way round, is tau = 0.05 (`repo_compat`); `target_rate` is the public code's `tau`."""
 
+    time_aware: bool = False
+    """A departure from the paper: every state the critics read ends with the environment steps taken before it
+    (`qevolve.hierarchy.critic.with_steps`; the actor's prompts stay as they are). The paper's state shows neither
+    the steps spent nor those left, so under a step cap a step that changes nothing costs its critics one
+    discount: docs/step-hrl.md, "The positive control"."""
+
 
 class StepPolicyConfig(TrainConfig):
     """`policy@k`: the advantage-weighted actor, all three levels in each optimiser step."""
@@ -61,6 +67,10 @@ class StepHRLConfig(HierarchyConfig):
     @property
     def compat_critic(self) -> bool:
         return self.repo_compat
+
+    @property
+    def critic_time_aware(self) -> bool:
+        return self.critic.time_aware
 
 
 SECTIONS = {"step_hrl": StepHRLConfig}

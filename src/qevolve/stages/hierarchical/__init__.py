@@ -100,7 +100,7 @@ def hierarchical_stages(name: str, compat: tuple[str, ...] = ()) -> dict[str, St
                 "heldout_dir": paths.evaluation(k - 1),
             },
             lambda k: {},
-            (*MODEL_PARAMS, *BUILDER_PARAMS),
+            (*MODEL_PARAMS, *BUILDER_PARAMS, f"{name}.critic"),  # the critic's section: how it reads a state
         ),
         "critic": Stage(
             "critic",

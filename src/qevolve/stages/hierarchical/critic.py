@@ -24,7 +24,7 @@ from qevolve.algos.stats import auc
 from qevolve.data.advantages import MOVING
 from qevolve.data.atomic import atomic_dir
 from qevolve.hierarchy.config import section
-from qevolve.hierarchy.critic import Item, LevelCritic, critic_items, save_critic, values
+from qevolve.hierarchy.critic import Item, LevelCritic, critic_items, save_critic, values, with_steps
 from qevolve.hierarchy.shared import ADVANTAGE_SCHEMA, ADVANTAGES, read_roles, role_builder, training_sets
 from qevolve.models.policy import load_policy
 from qevolve.params import Params
@@ -63,11 +63,10 @@ def critic(
     hrl = section(params)
     cfg, compat = hrl.critic, hrl.compat_critic
     torch.manual_seed(cfg.seed)
-    sets = {
-        role: rows
-        for role, rows in training_sets(params, data_dir, collected_dir).items()
-        if role in hrl.levels_with_critic
-    }
+    every = training_sets(params, data_dir, collected_dir)
+    if hrl.critic_time_aware:
+        every = with_steps(every)
+    sets = {role: rows for role, rows in every.items() if role in hrl.levels_with_critic}
     if read_roles(policy_dir)["adapters"] == "separate":
         policy_dir = policy_dir / "low"
     if compat:  # heads on the BC policy's frozen features
@@ -123,6 +122,7 @@ def critic(
         "first_loss": curve[0]["loss"],
         "expectile": tau,
         "reward": hrl.reward,
+        "time_aware": hrl.critic_time_aware,
         **{f"{role}_transitions": len(sets[role]) for role in sets},
         **{
             f"{role}_rewarded_share": sum(r["reward"] > 0 for r in sets[role]) / max(len(sets[role]), 1)

@@ -21,7 +21,8 @@ from safetensors import safe_open
 
 from qevolve.algos.stats import auc
 from qevolve.data.atomic import write_json
-from qevolve.hierarchy.critic import critic_items, load_critic, values
+from qevolve.hierarchy.config import section
+from qevolve.hierarchy.critic import critic_items, load_critic, values, with_steps
 from qevolve.hierarchy.roles import encode
 from qevolve.hierarchy.shared import COLLECTED, load_roles_policy, role_builder
 from qevolve.hierarchy.transitions import read_transitions
@@ -59,7 +60,8 @@ def diagnose(
         return metrics
     critic = load_critic(params, base_dir, critic_dir, levels)
     tok = load_tokenizer(base_dir)
-    sets = {role: rows for role, rows in heldout.items() if role in levels}
+    read = with_steps(heldout) if section(params).critic_time_aware else heldout  # as critic@k read its states
+    sets = {role: rows for role, rows in read.items() if role in levels}
     items = critic_items(role_builder(params, tok), sets)
     v: dict[tuple, float] = {}
     with torch.no_grad():
